@@ -1,0 +1,168 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, KVCache, token_kl, state_change
+
+TINY = dict(vocab_size=50, block_size=16, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48,
+            n_prelude=1, n_core=2, n_coda=1, mean_loops=3, max_loops=6, bptt_k=2)
+S0 = dict(n_embd=384, n_head=6, n_kv_head=2, ffn_hidden=1024, mean_loops=4, max_loops=16, bptt_k=4)
+S1 = dict(n_embd=576, n_head=9, n_kv_head=3, ffn_hidden=1536, block_size=2048, mean_loops=8, max_loops=32, bptt_k=8)
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**(TINY | kw)))
+
+
+@pytest.mark.parametrize("shape, unique, total", [(S0, 12.9e6, 31.8e6), (S1, 29.0e6, 57.3e6)])
+def test_param_counts_match_the_paper(shape, unique, total):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**shape))
+    assert round(model.get_num_params(non_embedding=True), -5) == unique
+    assert round(model.get_num_params(non_embedding=False), -5) == total
+
+
+def test_no_biases_and_tied_head():
+    model = tiny()
+    assert model.lm_head.weight is model.wte.weight
+    assert not [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    assert model.core.adapter.weight.shape == (32, 64)
+
+
+@pytest.mark.parametrize("mode", ["noise", "zero"])
+def test_forward_shapes_every_depth(mode):
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 16))
+    for loops in range(1, model.config.max_loops + 1):
+        logits, loss = model(idx, idx, loops=loops, state_init=mode)
+        assert logits.shape == (2, 16, 50) and loss.dim() == 0 and torch.isfinite(loss)
+    with pytest.raises(ValueError):
+        model(idx, loops=0)
+    with pytest.raises(ValueError):
+        model(idx, state_init="ones")
+
+
+def test_noise_init_statistics_and_generator():
+    model = tiny()
+    e = torch.zeros(4, 16, 32)
+    s = model.init_state(e, "noise", torch.Generator().manual_seed(1))
+    assert abs(s.std().item() - math.sqrt(2 / 5)) < 0.03
+    assert torch.equal(s, model.init_state(e, "noise", torch.Generator().manual_seed(1)))
+    assert torch.count_nonzero(model.init_state(e, "zero")) == 0
+
+
+def unrolled_loss(model, idx, loops, n_grad):
+    """A hand-written reference: the loop body spelled out, state detached before the last n_grad."""
+    cfg = model.config
+    e = model.wte(idx)
+    for block in model.prelude_blocks.blocks:
+        e = block(e, model.rope_cos[:16], model.rope_sin[:16])
+    s = torch.zeros_like(e)
+    for i in range(loops):
+        if i == loops - n_grad:
+            s = s.detach()
+        e_in = e if i >= loops - n_grad else e.detach()
+        x = model.core.adapter(torch.cat([e_in, s], -1))
+        for block in model.core.blocks:
+            x = block(x, model.rope_cos[:16], model.rope_sin[:16])
+        s = x
+    for block in model.coda_blocks.blocks:
+        s = block(s, model.rope_cos[:16], model.rope_sin[:16])
+    logits = model.lm_head(model.norm(s))
+    return F.cross_entropy(logits.view(-1, cfg.vocab_size), idx.view(-1))
+
+
+def grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("loops", [1, 2, 5])
+def test_gradients_flow_only_through_last_bptt_k_loops(loops):
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 16))
+    got = grads(model, model(idx, idx, loops=loops, state_init="zero")[1])
+    ref = grads(model, unrolled_loss(model, idx, loops, min(loops, model.config.bptt_k)))
+    full = grads(model, unrolled_loss(model, idx, loops, loops))  # full backprop
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6)
+    differs = any(not torch.allclose(got[n], full[n], rtol=1e-4, atol=1e-6) for n in full)
+    assert differs == (loops > model.config.bptt_k)  # truncation changes grads only when r > k
+
+
+def test_truncated_loops_do_not_reach_the_initial_state():
+    model = tiny()
+    idx = torch.randint(0, 50, (1, 16))
+    e = model.prelude(idx)
+    s0 = torch.zeros_like(e, requires_grad=True)
+    s = s0
+    with torch.no_grad():
+        s = model.core_step(e, s)
+    for _ in range(2):
+        s = model.core_step(e, s)
+    s.sum().backward()
+    assert s0.grad is None
+
+
+def test_kv_cache_path_matches_full_forward_for_any_subset():
+    model = tiny().eval()
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.no_grad():
+        e = model.prelude(idx)
+        s = model.core_step(e, model.init_state(e, "zero"))
+        full = model.readout(s)
+        # one token at a time through caches
+        pre, core, coda = model.new_caches(1, 2, 16), model.new_caches(2, 2, 16), model.new_caches(1, 2, 16)
+        outs = []
+        for t in range(16):
+            pos = torch.full((2, 1), t)
+            e1 = model.prelude(idx[:, t:t + 1], pre, pos)
+            outs.append(model.readout(model.core_step(e1, torch.zeros_like(e1), core, pos), coda, pos))
+        torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-4, atol=1e-5)
+        # a subset of positions against a cache that already holds everyone's keys/values
+        core2 = model.new_caches(2, 2, 16)
+        model.core_step(e, model.init_state(e, "zero"), core2, torch.arange(16).expand(2, 16))
+        pos = torch.tensor([[3, 9, 15], [0, 4, 5]])
+        sub = model.core_step(e.gather(1, pos[..., None].expand(-1, -1, 32)), torch.zeros(2, 3, 32), core2, pos)
+        torch.testing.assert_close(sub, s.gather(1, pos[..., None].expand(-1, -1, 32)), rtol=1e-4, atol=1e-5)
+
+
+def test_kv_cache_write_places_each_query_at_its_position():
+    cache = KVCache(1, 1, 5, 2, "cpu", torch.float32)
+    k = torch.arange(4.0).view(1, 1, 2, 2)
+    cache.write(k, -k, torch.tensor([[4, 1]]))
+    assert cache.k[0, 0, 4].tolist() == [0.0, 1.0] and cache.k[0, 0, 1].tolist() == [2.0, 3.0]
+    assert cache.v[0, 0, 1].tolist() == [-2.0, -3.0] and cache.k[0, 0, 0].abs().sum() == 0
+
+
+def test_token_kl_and_state_change():
+    logits = torch.randn(3, 7, 11) * 5
+    assert torch.equal(token_kl(logits, logits), torch.zeros(3, 7))
+    other = torch.randn(3, 7, 11)
+    p, q = logits.softmax(-1), other.softmax(-1)
+    torch.testing.assert_close(token_kl(logits, other), (p * (p.log() - q.log())).sum(-1), rtol=1e-4, atol=1e-6)
+    assert token_kl(logits.bfloat16(), other.bfloat16()).dtype == torch.float32
+    a, b = torch.ones(2, 4), torch.zeros(2, 4)
+    assert state_change(a, b).tolist() == [2.0, 2.0] and state_change(a, b, relative=True).tolist() == [1.0, 1.0]
+
+
+def test_rope_follows_query_dtype_under_bf16():
+    model = tiny()
+    idx = torch.randint(0, 50, (1, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, loops=1)
+    assert model.core.blocks[0].attn.seen_dtypes == (torch.bfloat16,) * 3
+
+
+def test_flops_per_token_counts_grad_loops_three_times():
+    model = tiny()
+    cfg = model.config
+    core = sum(p.numel() for p in model.core.parameters())
+    per_loop_fwd = 2 * core + 4 * 16 * cfg.n_embd * cfg.n_core
+    assert model.flops_per_token(5, 2, 16) - model.flops_per_token(4, 2, 16) == per_loop_fwd
+    assert model.flops_per_token(4, 3, 16) - model.flops_per_token(4, 2, 16) == 2 * per_loop_fwd
