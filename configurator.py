@@ -1,7 +1,7 @@
 """
 The one configurator every script shares (nanoGPT style, without exec-ing the command line):
 defaults are a script's module globals, then an optional Python config file, then
-`--key=value` or `--key value` overrides. Unknown keys and wrong types are errors, not
+`--key=value` or `--key value` overrides (a bare `--flag` sets a boolean to True). Unknown keys and wrong types are errors, not
 silently ignored settings.
 
     cfg = configure(defaults, sys.argv[1:])
@@ -63,7 +63,14 @@ def configure(defaults, argv):
             i += 1
         else:
             key = arg[2:]
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and key in cfg):
+            if key not in cfg:
+                die(f"unknown config key --{key}")
+            has_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if not has_value and isinstance(cfg.get(key), bool):
+                cfg[key] = True  # a bare boolean flag: `--plot` means --plot=True
+                i += 1
+                continue
+            if not has_value:
                 die(f"--{key}: missing value")
             text = argv[i + 1]
             i += 2

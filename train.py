@@ -26,7 +26,7 @@ from model import CKPT_FORMAT, GPT, GPTConfig
 
 # ---- defaults: the CPU run that `python train.py` does ----------------------------------
 out_dir = "out-shakespeare"
-eval_interval = 100
+eval_interval = 50
 log_interval = 10
 eval_iters = 10
 always_save_checkpoint = True
@@ -36,8 +36,8 @@ wandb_project = "nanoloop"
 wandb_run_name = "run"
 dataset = "shakespeare"  # data/<dataset>/{train,val}.bin and meta.json from prepare.py
 gradient_accumulation_steps = 1
-batch_size = 16
-block_size = 256
+batch_size = 8
+block_size = 512
 # model (vocab_size comes from the dataset's meta.json)
 n_embd = 192
 n_head = 3
@@ -55,7 +55,7 @@ state_std = math.sqrt(2 / 5)
 loop_dist = "lognormal"  # 'lognormal' (randomized depth) or 'fixed' (r = mean_loops always)
 # optimizer and schedule
 learning_rate = 2e-3
-max_iters = 1000
+max_iters = 300
 lr_decay_iters = 0  # 0: decay over max_iters (set it to stop early on the same schedule)
 warmup_iters = -1  # -1: 1% of lr_decay_iters
 min_lr = 2e-4
@@ -133,7 +133,7 @@ def save_checkpoint(obj, path):
 
 def measure_matmul_flops(device, dtype, n=None, reps=5):
     """The machine's ceiling as measured, not a datasheet number: a square matmul's FLOP/s."""
-    n = n or (8192 if device.startswith("cuda") else 1024)
+    n = n or (8192 if device.startswith("cuda") else 2048)
     g = torch.Generator(device=device).manual_seed(0)  # leaves the training run's streams alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -190,7 +190,7 @@ def main(argv=()):
     else:
         rank, world = 0, 1
     master = rank == 0
-    log = print if master else (lambda *a, **k: None)
+    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     device_type = "cuda" if C.device.startswith("cuda") else "cpu"
     torch.manual_seed(C.seed + rank)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -1,0 +1,266 @@
+"""
+Training throughput against the machine's measured ceiling and a dense baseline.
+
+    python bench.py                                   # the CPU default model (train.py's defaults)
+    python bench.py config/s1.py --compile=True --dtype=bfloat16 --bench_steps=100
+
+The ceiling (a square matmul in the training dtype; a copy's bandwidth), then rounds of A B: the
+recurrent training step over a fixed seeded sequence of depths, and a dense Llama stack of the
+same blocks with the same forward FLOPs per token at mean_loops. Random tokens: this measures
+compute, not data loading. Medians over rounds; a markdown table, and everything in bench.json.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import torch
+import torch._dynamo.utils
+import torch.nn.functional as F
+
+import train
+from configurator import configure, die
+from model import GPT, GPTConfig
+
+# ---- bench-only defaults (train.py's defaults and config files apply as well) -----------
+warmup_steps = 2  # untimed steps per model at the sequence's deepest depth (compiles happen here)
+bench_steps = 4  # timed steps per model per round; every round replays the same depths and batches
+rounds = 3  # A B A B...: the recurrent and dense models alternate, so machine noise hits both
+vocab_size = 0  # 0: data/<dataset>/meta.json if prepared, else that dataset's tokenizer size
+matmul_n = 0  # side of the ceiling's square matmul; 0: 2048 on CPU, 8192 on CUDA
+compile_backend = "inductor"  # for compile=True ('eager' checks the recompile count in seconds)
+profile_rows = 12  # top ops by self time of one profiled recurrent step; 0: no profile
+bench_json = "bench.json"
+BENCH_DEFAULTS = {k: globals()[k] for k in ("warmup_steps", "bench_steps", "rounds", "vocab_size", "matmul_n",
+                                            "compile_backend", "profile_rows", "bench_json")}
+
+
+def resolve_vocab(C):
+    if C.vocab_size:
+        return C.vocab_size, "--vocab_size"
+    meta = os.path.join("data", C.dataset, "meta.json")
+    if os.path.isfile(meta):
+        with open(meta) as f:
+            return json.load(f)["vocab_size"], meta
+    # prepare.py's default Shakespeare BPE has 4096 entries; the hub datasets use SmolLM2's 49152
+    return {"shakespeare": 4096}.get(C.dataset, 49152), f"{C.dataset}'s tokenizer, no {meta}"
+
+
+def fwd_flops(model, loops, T):
+    """Forward FLOPs per token: the training count with every loop under grad is exactly 3x it."""
+    return model.flops_per_token(loops, loops, T) / 3
+
+
+def dense_twin(rec, C, vocab):
+    """A plain stack of L blocks of the same width (no loop, adapter or sandwich norms), L chosen
+    so its forward FLOPs per token are nearest the recurrent model's at mean_loops. It is a GPT
+    with n_prelude=L, n_core=n_coda=0, run as readout(prelude(x)): the same block code, and the
+    adapter its empty Core still owns is never called (nor counted: flops_per_token skips core)."""
+    shape = {k: getattr(rec.config, k) for k in ("block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden",
+                                                 "rope_theta", "norm_eps")}
+
+    def build(L, device):
+        with torch.device(device):
+            return GPT(GPTConfig(vocab_size=vocab, n_prelude=L, n_core=0, n_coda=0, mean_loops=1, max_loops=1,
+                                 bptt_k=1, **shape))
+    f1, f2 = (fwd_flops(build(L, "meta"), 0, C.block_size) for L in (1, 2))  # linear in L; meta: no memory
+    L = max(1, 1 + round((fwd_flops(rec, C.mean_loops, C.block_size) - f1) / (f2 - f1)))
+    return build(L, C.device), f2 - f1
+
+
+def flop_formula(model, loops, k, T):
+    c = model.config
+    core = sum(p.numel() for p in model.core.parameters())
+    outer, attn = model.get_num_params() - core + model.wte.weight.numel(), 4 * T * c.n_embd
+    one_loop = f"(2*{core:,} + {attn:,}*{c.n_core})"
+    return (f"3*(2*{outer:,} + {attn:,}*{c.n_prelude + c.n_coda}) + 3*{k}*{one_loop} + {loops - k}*{one_loop} = "
+            f"{model.flops_per_token(loops, k, T):,.0f}  [N_outer: prelude, coda, norm, head; N_core: core blocks "
+            f"+ adapter; attention 2*2*T*d per layer; r={loops}, k={k}]")
+
+
+def train_step(model, optimizer, x, y, loops, ctx, grad_clip):
+    """What one train.py micro-step + optimizer step does; loops=0 runs the dense twin."""
+    with ctx:
+        if loops:
+            loss = model(x, y, loops=loops)[1]
+        else:
+            logits = model.readout(model.prelude(x))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if torch.isfinite(loss.detach() + grad_norm).item():  # train.py's guard, and its per-step host sync
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def saved_activation_bytes(model, step):
+    """Bytes autograd keeps for backward in one step, each storage once, parameters excluded: the
+    activation memory that truncated backprop bounds (counted, not an allocator peak; eager only)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return sum(seen.values())
+
+
+def measure_copy_bandwidth(device, nbytes=1 << 28, reps=10):
+    """Bytes/s moved by a tensor copy (read + write): device-to-device on CUDA, DRAM on CPU."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    dst.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync()
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
+def profile_step(step, rows, cuda):
+    """Top ops by self time of one step (device time on CUDA, CPU time otherwise)."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events)
+    return [{"op": e.key, "self_ms": getattr(e, key) / 1e3, "pct": 100 * getattr(e, key) / total, "calls": e.count}
+            for e in events[:rows]]
+
+
+def machine_info(device):
+    with open("/proc/cpuinfo") if os.path.isfile("/proc/cpuinfo") else nullcontext([]) as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+
+
+def main(argv=()):
+    """Run the benchmark; returns the dict written to bench_json."""
+    argv = list(argv)
+    C = SimpleNamespace(**configure(train.DEFAULTS | BENCH_DEFAULTS, argv))
+    if C.dtype not in ("float32", "bfloat16"):
+        die(f"dtype must be 'float32' or 'bfloat16', got {C.dtype!r}")
+    if min(C.warmup_steps, C.bench_steps, C.rounds) < 1 or min(C.vocab_size, C.matmul_n, C.profile_rows) < 0:
+        die("need warmup_steps, bench_steps, rounds >= 1 and vocab_size, matmul_n, profile_rows >= 0")
+    if not 1 <= C.mean_loops <= C.max_loops or C.bptt_k < 1:
+        die(f"need 1 <= mean_loops <= max_loops and bptt_k >= 1 (got {C.mean_loops}, {C.max_loops}, {C.bptt_k})")
+    cuda = C.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        die(f"device {C.device!r} asked for but CUDA is not available")
+    torch.manual_seed(C.seed)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.py
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[C.dtype]
+    ctx = nullcontext() if C.dtype == "float32" else torch.autocast("cuda" if cuda else "cpu", dtype=ptdtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    vocab, vocab_from = resolve_vocab(C)
+    depths = [train.sample_loops(i, C.seed, C.mean_loops, C.max_loops, C.loop_dist) for i in range(C.bench_steps)]
+    T, tokens, matmul_n = C.block_size, C.batch_size * C.block_size, C.matmul_n or (8192 if cuda else 2048)
+    g = torch.Generator().manual_seed(C.seed + 1)
+    batches = [torch.randint(vocab, (2, C.batch_size, T), generator=g).to(C.device) for _ in depths]  # x, y
+
+    rec = GPT(GPTConfig(vocab_size=vocab, **{k: getattr(C, k) for k in train.MODEL_KEYS})).to(C.device)
+    dense, block_fwd = dense_twin(rec, C, vocab)
+    runs = {}
+    for name, model, run_depths in (("recurrent", rec, depths), ("dense", dense, [0] * len(depths))):
+        opt = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), "cuda" if cuda else "cpu")
+
+        def step(i, r, model=model, opt=opt):  # step i of the sequence: its batch, at depth r
+            train_step(model, opt, *batches[i], r, ctx, C.grad_clip)
+        runs[name] = SimpleNamespace(model=model, step=step, depths=run_depths, times=[], peaks=[],
+                                     flops=[model.flops_per_token(r, min(r, C.bptt_k), T) * tokens for r in run_depths],
+                                     activation_bytes=saved_activation_bytes(model, lambda: step(0, max(run_depths))))
+        parts = (model.prelude_blocks, model.core, model.coda_blocks) if model is rec else (model.prelude_blocks,)
+        for part in parts if C.compile else ():  # per part, as train.py: the depth loop stays outside the graphs
+            part.compile(backend=C.compile_backend)
+    counters = torch._dynamo.utils.counters
+    for run in runs.values():  # warm-up at the deepest depth: the core's grad and no-grad graphs both
+        graphs0, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
+        run.step(0, max(run.depths))
+        sync()
+        run.first_step_s = time.perf_counter() - t0  # with compile=True: mostly compile time
+        for _ in range(C.warmup_steps - 1):
+            run.step(0, max(run.depths))
+        run.graphs = counters["stats"]["unique_graphs"] - graphs0
+    frames0, ceilings = counters["frames"]["total"], []  # dynamo compiles a frame once per (re)compile
+    for _ in range(C.rounds):
+        ceilings.append(train.measure_matmul_flops(C.device, ptdtype, matmul_n))
+        for run in runs.values():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            resident, t0 = torch.cuda.memory_allocated() if cuda else 0, time.perf_counter()
+            for i, r in enumerate(run.depths):
+                run.step(i, r)
+            sync()
+            run.times.append(time.perf_counter() - t0)
+            run.peaks.append(torch.cuda.max_memory_allocated() - resident if cuda else None)
+
+    ceiling = statistics.median(ceilings)
+    out = {"command": " ".join(["python bench.py", *argv]), "date": time.strftime("%Y-%m-%d"),
+           "machine": machine_info(C.device), "config": vars(C), "vocab_size": vocab, "vocab_from": vocab_from,
+           "depths": depths, "mean_depth": sum(depths) / len(depths), "ceiling_flops": ceiling, "ceilings": ceilings,
+           "ceiling_matmul_n": matmul_n, "copy_bandwidth_bytes_per_s": measure_copy_bandwidth(C.device),
+           "dense_layers": dense.config.n_prelude, "dense_block_fwd_flops": block_fwd,
+           "flop_formula": flop_formula(rec, C.mean_loops, min(C.mean_loops, C.bptt_k), T),
+           "recompiles_during_timed_steps": counters["frames"]["total"] - frames0 if C.compile else None}
+    for name, run in runs.items():
+        rates = [sum(run.flops) / t for t in run.times]
+        unused = run.model.core.adapter.weight.numel() if name == "dense" else 0  # the twin's idle adapter
+        out[name] = {"params": run.model.get_num_params(False) - unused,
+                     "fwd_flops_per_token": fwd_flops(run.model, C.mean_loops if name == "recurrent" else 0, T),
+                     "train_flops_per_token": sum(run.flops) / tokens / len(run.flops),
+                     "tokens_per_s": statistics.median(tokens * len(run.flops) / t for t in run.times),
+                     "flops_per_s": statistics.median(rates), "mfu": statistics.median(rates) / ceiling,
+                     "round_flops_per_s": rates, "first_step_s": run.first_step_s, "graphs_compiled": run.graphs,
+                     "step_s": statistics.median(run.times) / len(run.flops), "activation_bytes": run.activation_bytes,
+                     "peak_step_bytes": max(run.peaks) if cuda else None}
+    out["ratio_flops_per_s"] = statistics.median(a / b for a, b in zip(out["recurrent"]["round_flops_per_s"],
+                                                                       out["dense"]["round_flops_per_s"]))
+    if C.profile_rows:
+        out["profile"] = profile_step(lambda: (runs["recurrent"].step(0, C.mean_loops), sync()), C.profile_rows, cuda)
+    with open(C.bench_json, "w") as f:
+        json.dump(out, f, indent=1)
+    print_report(out, C)
+    return out
+
+
+def print_report(out, C):
+    m, r, d = out["machine"], out["recurrent"], out["dense"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), {m['device']}, "
+          f"torch {m['torch']}; {out['date']}\ncommand: {out['command']}")
+    print(f"batch {C.batch_size} x {C.block_size} tokens, {C.dtype}, compile={C.compile}, vocab {out['vocab_size']} "
+          f"({out['vocab_from']}); depths {out['depths']} (mean {out['mean_depth']:.2f}); {C.rounds} rounds, medians")
+    print(f"recurrent training FLOPs/token: {out['flop_formula']}")
+    print(f"ceiling: {out['ceiling_flops'] / 1e12:.4g} TFLOP/s ({out['ceiling_matmul_n']}^2 matmul, {C.dtype}); "
+          f"copy bandwidth {out['copy_bandwidth_bytes_per_s'] / 1e9:.4g} GB/s\n")
+    print("| model | params (M) | fwd FLOP/token (M) | train FLOP/token (M) | tokens/s | achieved TFLOP/s | MFU "
+          "| activations (MB) | peak step (MB) | first step (s) | step (s) |\n" + "|---" * 11 + "|")
+    for name, x in (("recurrent", r), (f"dense ({out['dense_layers']} layers)", d)):
+        peak = "n/a" if x["peak_step_bytes"] is None else f"{x['peak_step_bytes'] / 2**20:.0f}"
+        print(f"| {name} | {x['params'] / 1e6:.2f} | {x['fwd_flops_per_token'] / 1e6:.2f} "
+              f"| {x['train_flops_per_token'] / 1e6:.2f} | {x['tokens_per_s']:,.0f} | {x['flops_per_s'] / 1e12:.4g} "
+              f"| {100 * x['mfu']:.1f}% | {x['activation_bytes'] / 2**20:.0f} | {peak} | {x['first_step_s']:.2f} "
+              f"| {x['step_s']:.3f} |")
+    print(f"\nrecurrent / dense achieved FLOP/s: {out['ratio_flops_per_s']:.3f} (median of per-round ratios)")
+    if C.compile:
+        print(f"compile ({C.compile_backend}): graphs in warm-up: recurrent {r['graphs_compiled']}, dense "
+              f"{d['graphs_compiled']}; recompiles while the depth changed every step: "
+              f"{out['recompiles_during_timed_steps']}")
+    if "profile" in out:
+        rows = [f"| {p['op']} | {p['self_ms']:.1f} | {p['pct']:.1f} | {p['calls']} |" for p in out["profile"]]
+        print(f"\nwhere the time goes (one recurrent step at r={C.mean_loops}, self time):", "| op | ms | % | calls |",
+              "|---|---|---|---|", *rows, sep="\n")
+    print(f"\nwrote {C.bench_json}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

