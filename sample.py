@@ -5,7 +5,7 @@ loop's keys and values differ), at a fixed depth or at a per-token adaptive dept
 
     python sample.py --loops 4 --start "ROMEO:" --num_samples 3     # --start FILE:prompt.txt reads a file
     python sample.py --exit kl --exit_threshold 1e-4 --max_loops 32  # adaptive depth (A1); --exit state: nearly free
-    python sample.py --bench                                         # tokens/s: no cache, cache, adaptive
+    python sample.py --bench [--exit state --exit_threshold 0.45]    # tokens/s: no cache, cache, adaptive
 """
 import copy
 import os
@@ -205,7 +205,8 @@ def run_bench(model, C, data_dir, meta, loops, max_loops):
     print(f"| mode | loops/new token | tokens/s | speedup | greedy tokens equal to (b) |\n|---|---|---|---|---|\n"
           f"| (a) no cache, loops {loops} | {loops} | {tps_a:.1f} | | |\n"
           f"| (b) cache, loops {loops} | {loops} | {tps_b:.1f} | {tps_b / tps_a:.2f}x (b)/(a) | {N}/{N} |")
-    for exit, threshold in [("kl", x) for x in (1e-2, 1e-3, 1e-4)] + [("state", x) for x in (1e-1, 3e-2, 1e-2)]:
+    sweep = [("kl", x) for x in (1e-2, 1e-3, 1e-4)] + [("state", x) for x in (1e-1, 3e-2, 1e-2)]
+    for exit, threshold in [(C.exit, C.exit_threshold)] if C.exit != "none" else sweep:  # --exit: that point only
         (out, depths, _), tps = timed(generate, loops, s0, greedy, exit, threshold, max_loops)
         print(f"| (c) {exit} < {threshold:g}, max {max_loops} | {sum(depths) / len(depths):.2f} | {tps:.1f} | "
               f"{tps / tps_b:.2f}x (c)/(b) | {int((out[0, P:] == ref[0, P:]).sum())}/{N} |")
