@@ -17,6 +17,7 @@ step python train.py config/shakespeare_fixed.py   # fixed depth      -> out-sha
 step python evaluate.py --out_dir=out-shakespeare --plot
 step python evaluate.py --out_dir=out-shakespeare-fixed --loops=1,2,3,4,5,6,8,16
 step python allocate.py --out_dir=out-shakespeare --plot --realized
+mkdir -p figures
 python - <<'PY'
 import json
 rand, fixed = (json.load(open(f"{d}/eval.json")) for d in ("out-shakespeare", "out-shakespeare-fixed"))
@@ -25,6 +26,18 @@ a, b = loss(rand), loss(fixed)
 print("\n| loops r | randomized | fixed r=4 |\n|---|---|---|")
 for r in sorted(set(a) | set(b)):
     print(f"| {r} | {a.get(r, float('nan')):.3f} | {b.get(r, float('nan')):.3f} |")
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(5.5, 4.2))
+for curve, label in ((a, "randomized depth (LogNormal, mean 4)"), (b, "fixed depth r=4 (control)")):
+    ax.plot(sorted(curve), [curve[r] for r in sorted(curve)], "o-", label=label)
+ax.set_xscale("log", base=2)
+ax.set_xticks(sorted(b), [str(r) for r in sorted(b)])
+ax.set(xlabel="inference loops r", ylabel="validation loss (nats)", title="Randomized vs fixed-depth training")
+ax.grid(alpha=0.3)
+ax.legend(loc="upper right")
+fig.tight_layout()
+fig.savefig("figures/elasticity_vs_fixed.png", dpi=120)
 PY
-mkdir -p figures
 cp out-shakespeare/*.png figures/
