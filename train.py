@@ -9,6 +9,7 @@ One recursion count r ~ round(LogNormal(log mean_loops, 0.5)), clamped to [1, ma
 is drawn per optimizer step from the seed and the step number alone, so every DDP rank
 and every resumed run draws the same r. The first r - bptt_k loops run without grad.
 """
+import json
 import math
 import os
 import sys
@@ -168,7 +169,6 @@ def estimate_loss(model, C, data_dir, bin_dtype, ctx):
 
 def main(argv=()):
     """Run training; returns the list of (iter, loops, loss) for every optimizer step taken."""
-    import json
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
     if C.dtype not in ("float32", "bfloat16"):
         die(f"dtype must be 'float32' or 'bfloat16', got {C.dtype!r}")
@@ -222,10 +222,13 @@ def main(argv=()):
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        g_data.set_state(ckpt["rng"]["data"][rank] if world > 1 else ckpt["rng"]["data"][0])
-        torch.set_rng_state(ckpt["rng"]["torch"][rank if world > 1 else 0])
-        if device_type == "cuda" and "cuda" in ckpt["rng"]:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"][rank if world > 1 else 0])
+        rng = ckpt["rng"]
+        if len(rng["data"]) != world:  # each rank continues its own streams, so the count must match
+            die(f"{ckpt_path} was saved by {len(rng['data'])} rank(s); resume it with as many, not {world}")
+        g_data.set_state(rng["data"][rank].cpu())  # map_location moved them; RNG states live on the CPU
+        torch.set_rng_state(rng["torch"][rank].cpu())
+        if device_type == "cuda" and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"][rank].cpu())
         ckpt = None
     log(f"model: {model.get_num_params() / 1e6:.2f}M unique non-embedding params, "
         f"{model.get_num_params(False) / 1e6:.2f}M total; loops {C.loop_dist} mean {C.mean_loops} "
