@@ -279,8 +279,8 @@ def state_change(s_new, s_old, relative=False):
     return delta / s_new.float().norm(dim=-1).clamp_min(1e-12) if relative else delta
 
 
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, checkpoint dict). Refuses anything that is not this project's."""
+def read_checkpoint(path, device="cpu"):
+    """The checkpoint dict at path, or one clear line and exit 2 if it is missing, corrupt or foreign."""
     from configurator import die
     if not os.path.isfile(path):
         die(f"no checkpoint at {path} (train one with `python train.py`)")
@@ -290,6 +290,12 @@ def load_checkpoint(path, device="cpu"):
         die(f"{path} is not a readable checkpoint: {type(err).__name__}: {str(err).splitlines()[0]}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         die(f"{path} is not a nanoloop checkpoint (missing format marker {CKPT_FORMAT!r})")
+    return ckpt
+
+
+def load_checkpoint(path, device="cpu"):
+    """-> (model in eval mode, checkpoint dict)."""
+    ckpt = read_checkpoint(path, device)
     names = {f.name for f in fields(GPTConfig)}
     model = GPT(GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in names}))
     model.load_state_dict(ckpt["model"])

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed as dist
 
 from configurator import configure, die
-from model import CKPT_FORMAT, GPT, GPTConfig
+from model import CKPT_FORMAT, GPT, GPTConfig, read_checkpoint
 
 # ---- defaults: the CPU run that `python train.py` does ----------------------------------
 out_dir = "out-shakespeare"
@@ -208,11 +208,7 @@ def main(argv=()):
     model_args = {k: getattr(C, k) for k in MODEL_KEYS} | {"vocab_size": meta["vocab_size"]}
     ckpt = None
     if C.init_from == "resume":
-        if not os.path.isfile(ckpt_path):
-            die(f"init_from='resume' but {ckpt_path} does not exist")
-        ckpt = torch.load(ckpt_path, map_location=C.device, weights_only=True)
-        if ckpt.get("format") != CKPT_FORMAT:
-            die(f"{ckpt_path} is not a nanoloop checkpoint")
+        ckpt = read_checkpoint(ckpt_path, C.device)
         model_args = ckpt["model_args"]  # the architecture is the checkpoint's, not the command line's
     model = GPT(GPTConfig(**model_args)).to(C.device)
     optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device_type)
