@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The laptop study, end to end on CPU: prepare, train the randomized-depth model and its
 # fixed-depth control, evaluate both, run the allocation study, and collect the figures.
-# Each step's wall-clock goes to study_times.txt. About 45 minutes on 2 CPU cores.
+# Each step's wall-clock goes to study_times.txt.
+#   ./study.sh        the 25-minute runs (config/shakespeare_long*.py), ~75 minutes in all on 2 cores
+#   ./study.sh short  the 10-minute CPU default and its control, ~45 minutes in all
 set -euo pipefail
 cd "$(dirname "$0")"
 : > study_times.txt
@@ -11,16 +13,21 @@ step() {
     "$@"
     echo "$(( SECONDS - t0 ))s  $*" | tee -a study_times.txt
 }
+if [ "${1:-long}" = short ]; then
+    rand=(); fixed=config/shakespeare_fixed.py; out=out-shakespeare
+else
+    rand=(config/shakespeare_long.py); fixed=config/shakespeare_long_fixed.py; out=out-shakespeare-long
+fi
 step python prepare.py
-step python train.py                               # randomized depth -> out-shakespeare
-step python train.py config/shakespeare_fixed.py   # fixed depth      -> out-shakespeare-fixed
-step python evaluate.py --out_dir=out-shakespeare --plot
-step python evaluate.py --out_dir=out-shakespeare-fixed --loops=1,2,3,4,5,6,8,16
-step python allocate.py --out_dir=out-shakespeare --plot --realized
+step python train.py "${rand[@]}"      # randomized depth -> $out
+step python train.py "$fixed"          # fixed depth      -> $out-fixed
+step python evaluate.py --out_dir="$out" --plot
+step python evaluate.py --out_dir="$out-fixed" --loops=1,2,3,4,5,6,8,16
+step python allocate.py --out_dir="$out" --plot --realized
 mkdir -p figures
-python - <<'PY'
-import json
-rand, fixed = (json.load(open(f"{d}/eval.json")) for d in ("out-shakespeare", "out-shakespeare-fixed"))
+OUT="$out" python - <<'PY'
+import json, os
+rand, fixed = (json.load(open(f"{os.environ['OUT']}{suffix}/eval.json")) for suffix in ("", "-fixed"))
 loss = lambda ev: {row["loops"]: row["loss"] for row in ev["elasticity"]}
 a, b = loss(rand), loss(fixed)
 print("\n| loops r | randomized | fixed r=4 |\n|---|---|---|")
@@ -40,4 +47,4 @@ ax.legend(loc="upper right")
 fig.tight_layout()
 fig.savefig("figures/elasticity_vs_fixed.png", dpi=120)
 PY
-cp out-shakespeare/*.png figures/
+cp "$out"/*.png figures/
