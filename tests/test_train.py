@@ -60,6 +60,8 @@ def test_configurator_errors(tmp_path, capsys):
     d = train.DEFAULTS
     assert configure(d, ["--max_iters=5", "--batch_size", "3", "--dtype=bfloat16", "--compile=True"])["batch_size"] == 3
     assert configure(d, ["--learning_rate=1"])["learning_rate"] == 1.0
+    bare = configure(d, ["--wandb_log", "--compile", "False", "--max_iters", "7"])  # a bare boolean flag is True
+    assert (bare["wandb_log"], bare["compile"], bare["max_iters"]) == (True, False, 7)
     for bad in (["--nope=1"], ["--max_iters=abc"], ["--max_iters=1.5"], ["--compile=1"], ["--batch_size"],
                 ["missing_config.py"]):
         with pytest.raises(SystemExit) as err:
