@@ -175,9 +175,13 @@ def markdown(headers, rows):
 def print_tables(res):
     mean, el, cv, tc = res["checkpoint"]["mean_loops"], res["elasticity"], res["convergence"], res["token_classes"]
     print(f"\n## Elasticity / cost curve (noise init, {res['windows']} windows of {res['block_size']} tokens)\n")
-    print(markdown(["loops r", "loss (nats)", "ppl", "tokens/s (batch 1)", "relative throughput"],
-                   [[r["loops"], f"{r['loss']:.3f}", f"{r['ppl']:.1f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['relative_throughput']:.{1 if r['relative_throughput'] >= 1 else 2}f}x"] for r in el]))
+    rows = []
+    for r in el:
+        per_byte = f"{r['loss_per_byte']:.4f} / {r['bits_per_byte']:.4f}" if "loss_per_byte" in r else "n/a"
+        speed = f"{r['relative_throughput']:.{1 if r['relative_throughput'] >= 1 else 2}f}x"
+        rows.append([r["loops"], f"{r['loss']:.4f}", per_byte, f"{r['ppl']:.1f}", f"{r['tokens_per_s']:.0f}", speed])
+    print(markdown(["loops r", "loss (nats/token)", "nats / bits per byte", "ppl", "tokens/s (batch 1)",
+                    "relative throughput"], rows))
     print(f"\n## Convergence diagnostic ({cv['init']} init, run to {cv['diag_loops']} loops)\n")
     print(markdown(["loop i", "mean KL", "mean state change", "percent tokens moving", "loss (nats)"],
                    [[r["loop"], f"{r['mean_kl']:.1e}", f"{r['mean_state_change']:#.3g}".rstrip("."),
@@ -277,8 +281,12 @@ def main(argv=()):
 
     el = [sweep_point(model, wins, r, C, ctx) for r in sweep]
     ref = next(row["tokens_per_s"] for row in el if row["loops"] == mean)
+    tokens_per_byte = meta["val_tokens"] / meta["val_bytes"] if meta.get("val_bytes") else None
     for row in el:
         row["relative_throughput"] = row["tokens_per_s"] / ref
+        if tokens_per_byte:  # per byte of validation text: comparable across tokenizers
+            row["loss_per_byte"] = row["loss"] * tokens_per_byte
+            row["bits_per_byte"] = row["loss_per_byte"] / math.log(2)
 
     kl, change, nll = loop_by_loop(model, wins, n_diag, C, ctx)
     depth, moving = convergence_depth(kl), 100 * (kl > MOVING_KL).float().mean(1)  # moving[j]: loop j + 2

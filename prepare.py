@@ -163,18 +163,21 @@ def load_tokenizer(data_dir):
 
 
 def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
-    """Tokenize a split batch by batch, appending to `path` (at most `limit` tokens); returns the count."""
-    n = 0
+    """Tokenize a split batch by batch, appending to `path` (at most `limit` tokens).
+    Returns (tokens written, UTF-8 bytes of the text they encode): the bytes make losses per byte,
+    comparable across tokenizers. A document cut by `limit` counts its bytes pro rata."""
+    n_tokens, n_bytes = 0, 0
     with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
         for texts in batches(split):
-            ids = np.concatenate([np.asarray(doc + [eot], dtype=dtype) for doc in encode_batch(texts)])
-            ids = ids[:limit - n]  # appending batch by batch: memory stays at one batch, whatever the corpus
-            ids.tofile(f)
-            n += len(ids)
-            bar.update(len(ids))
-            if n >= limit:
-                break
-    return n
+            for text, doc in zip(texts, encode_batch(texts)):
+                ids = np.asarray(doc + [eot], dtype=dtype)[:limit - n_tokens]
+                ids.tofile(f)  # document by document: memory stays at one batch, whatever the corpus
+                n_tokens += len(ids)
+                n_bytes += round(len(text.encode("utf-8")) * min(1.0, len(ids) / (len(doc) + 1)))
+                bar.update(len(ids))
+                if n_tokens >= limit:
+                    return n_tokens, n_bytes
+    return n_tokens, n_bytes
 
 
 def main(argv=None):
@@ -212,13 +215,13 @@ def main(argv=None):
     out, tmp = os.path.join("data", name), os.path.join("data", f".{name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    n_val = write_bin(os.path.join(tmp, "val.bin"), val, encode_batch, eot, dtype, max_val, "val")
-    n_train = write_bin(os.path.join(tmp, "train.bin"), train, encode_batch, eot, dtype,
-                        max_tokens - n_val, "train")
+    n_val, val_bytes = write_bin(os.path.join(tmp, "val.bin"), val, encode_batch, eot, dtype, max_val, "val")
+    n_train, train_bytes = write_bin(os.path.join(tmp, "train.bin"), train, encode_batch, eot, dtype,
+                                     max_tokens - n_val, "train")
     if tok is not None:
         tok.save(os.path.join(tmp, "tokenizer.json"))
     meta = dict(source=a.source, tokenizer=spec, vocab_size=vocab_size, eot_id=eot, dtype=dtype,
-                train_tokens=n_train, val_tokens=n_val)
+                train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes)
     with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence means the rest is complete
         json.dump(meta, f, indent=2)
     shutil.rmtree(out, ignore_errors=True)

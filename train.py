@@ -263,7 +263,10 @@ def main(argv=()):
             group["lr"] = lr
         if iter_num % C.eval_interval == 0 or iter_num == C.max_iters:
             losses = estimate_loss(raw_model, C, data_dir, meta["dtype"], ctx)
-            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} (loops={C.mean_loops})")
+            bpb = ""
+            if "val_bytes" in meta:  # bits per byte: comparable across tokenizers
+                bpb = f", val {losses['val'] * meta['val_tokens'] / meta['val_bytes'] / math.log(2):.4f} bits/byte"
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{bpb} (loops={C.mean_loops})")
             if C.wandb_log and master:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
             if losses["val"] < best_val_loss or C.always_save_checkpoint:

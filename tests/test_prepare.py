@@ -12,7 +12,8 @@ SHARED = ROOT.parent / "shared"
 import prepare  # noqa: E402
 
 EOT = "<|endoftext|>"
-META_KEYS = {"source", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens"}
+META_KEYS = {"source", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "train_bytes",
+             "val_bytes"}
 
 
 def make_docs(n, seed=0):
@@ -60,6 +61,9 @@ def test_txt_dir_bpe_roundtrip(txt_corpus):
     _, decode = prepare.load_tokenizer("data/corpus")
     assert decode(bins["train"]) == "".join(d + EOT for d in txt_corpus[:9])
     assert decode(bins["val"]) == txt_corpus[9] + EOT
+    # the UTF-8 bytes of each split's text (what losses per byte divide by), known by hand
+    assert meta["train_bytes"] == sum(len(d.encode("utf-8")) for d in txt_corpus[:9])
+    assert meta["val_bytes"] == len(txt_corpus[9].encode("utf-8"))
     assert int((bins["train"] == 0).sum()) == 9 and int((bins["val"] == 0).sum()) == 1
     assert bins["train"].max() < 300
 
@@ -107,10 +111,11 @@ def test_dtype_choice_and_uint32_bins(workdir):
     assert prepare.dtype_for(65537) == "uint32"
     assert prepare.dtype_for(151_646) == "uint32"
     fake_encode = lambda texts: [[70_000 + len(t), 65_536] for t in texts]  # noqa: E731 ids past uint16
-    n = prepare.write_bin("x.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32")
+    n, n_bytes = prepare.write_bin("x.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32")
     got = np.memmap("x.bin", dtype="uint32", mode="r")
-    assert n == 9 and got.tolist() == [70_001, 65_536, 99_999, 70_002, 65_536, 99_999, 70_003, 65_536, 99_999]
-    assert prepare.write_bin("y.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32", limit=4) == 4
+    assert n == 9 and n_bytes == 6 and got.tolist() == [70_001, 65_536, 99_999, 70_002, 65_536, 99_999, 70_003, 65_536, 99_999]
+    # a cut document counts its bytes pro rata: "bb" keeps 1 of its 3 tokens
+    assert prepare.write_bin("y.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32", limit=4) == (4, 1 + 1)
     assert np.memmap("y.bin", dtype="uint32", mode="r").tolist() == [70_001, 65_536, 99_999, 70_002]
 
 
