@@ -109,27 +109,43 @@ def sweep_point(model, wins, r, C, ctx):
     return {"loops": r, "loss": loss, "ppl": math.exp(loss), "tokens_per_s": timed.numel() / (time.perf_counter() - t0)}
 
 
+def token_loss(logits, y):
+    """Per-token cross-entropy in float32, shaped like y."""
+    return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="none").view_as(y)
+
+
 @torch.no_grad()
+def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
+    """Every token of x (B, T) through n_loops loops, nothing frozen, read out after each (the per-loop
+    API). Per loop i (dim 0) and token: loss, KL(p_i || p_{i-1}) (inf at loop 1), state change
+    ||s_i - s_{i-1}|| and its relative version (over ||s_i||), argmax, and optionally s_i."""
+    e = model.prelude(x)
+    s, prev = model.init_state(e, state_init, generator), None
+    rows = {"loss": [], "kl": [], "dstate": [], "dstate_rel": [], "argmax": [], "state": []}
+    for _ in range(n_loops):
+        s_new = model.core_step(e, s)
+        logits = model.readout(s_new)
+        rows["loss"].append(token_loss(logits, y))
+        rows["kl"].append(torch.full(y.shape, float("inf"), device=y.device) if prev is None else token_kl(logits, prev))
+        rows["dstate"].append(state_change(s_new, s))
+        rows["dstate_rel"].append(state_change(s_new, s, relative=True))
+        rows["argmax"].append(logits.argmax(-1))
+        if keep_states:
+            rows["state"].append(s_new)
+        s, prev = s_new, logits
+    return {k: torch.stack(v) for k, v in rows.items() if v}
+
+
 def loop_by_loop(model, wins, n_loops, C, ctx):
-    """Every window loop by loop through the per-loop API. Returns per-token tensors: KL(p_i || p_{i-1})
-    and ||s_i - s_{i-1}|| of shape (n_loops - 1, N) for loops i = 2..n_loops, and the loss (n_loops, N)."""
-    gen = torch.Generator(device=C.device).manual_seed(C.seed)  # noise init: the sweep's own draws
-    per_batch = []
+    """The trace of every window, as per-token tensors (loop, N): KL(p_i || p_{i-1}) and ||s_i - s_{i-1}||
+    for loops i = 2..n_loops, and the loss for loops 1..n_loops."""
+    gen = torch.Generator(device=C.device).manual_seed(C.seed)  # noise init: the diagnostic's own draws
+    parts = []
     for x, y in batches(wins, C.batch_size, f"diagnostic to {n_loops} loops"):
         with ctx:
-            e = model.prelude(x)
-            s = model.init_state(e, C.diag_init, gen)
-            prev, kl_b, change_b, nll_b = None, [], [], []
-            for _ in range(n_loops):
-                s_new = model.core_step(e, s)
-                logits = model.readout(s_new)
-                nll_b.append(F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none"))
-                if prev is not None:
-                    kl_b.append(token_kl(logits, prev).flatten())
-                    change_b.append(state_change(s_new, s).flatten())
-                prev, s = logits, s_new
-        per_batch.append((torch.stack(kl_b), torch.stack(change_b), torch.stack(nll_b)))
-    return [torch.cat(parts, 1).cpu() for parts in zip(*per_batch)]
+            parts.append(trace(model, x, y, n_loops, C.diag_init, gen))
+    kl, change, loss = (torch.cat([part[k].flatten(1) for part in parts], 1).cpu() for k in ("kl", "dstate", "loss"))
+    return kl[1:], change[1:], loss
 
 
 def convergence_depth(kl, threshold=MOVING_KL):

@@ -62,18 +62,29 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of one attention layer, one slot per position, written in place.
-    Callers decide which cache a step reads (sample.py: one per loop; allocate.py: one
-    'latest' cache shared by all loops), so the model needs no notion of a cache policy."""
+    """Keys and values of one attention layer: `slots` rows of `length` positions, written in place.
+    Query row b of a call reads and writes slot rows[b], where rows is None (slot b), a slice (a block
+    of slots, read without a copy) or a tensor of slot indices. Callers decide what a slot is:
+    allocate.py gives each window one slot that all loops share (every token's latest K/V), sample.py
+    one slot per (loop, sequence). The model itself needs no notion of a cache policy."""
 
-    def __init__(self, batch, n_kv_head, length, head_dim, device, dtype):
-        self.k = torch.zeros(batch, n_kv_head, length, head_dim, device=device, dtype=dtype)
+    def __init__(self, slots, n_kv_head, length, head_dim, device, dtype):
+        self.k = torch.zeros(slots, n_kv_head, length, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
-    def write(self, k, v, pos):  # k, v: (B, n_kv, Tq, hd); pos: (B, Tq) slot of each query
-        index = pos[:, None, :, None].expand_as(k)
-        self.k.scatter_(2, index, k.to(self.k.dtype))
-        self.v.scatter_(2, index, v.to(self.v.dtype))
+    def write(self, k, v, pos, rows=None):  # k, v: (B, n_kv, Tq, hd); pos: (B, Tq) position of each query
+        if rows is None:
+            rows = slice(0, k.size(0))
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=k.device)
+        self.k[rows[:, None], :, pos] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows[:, None], :, pos] = v.transpose(1, 2).to(self.v.dtype)
+
+    def read(self, n_keys, rows=None):
+        """Keys and values at positions 0..n_keys-1 of the query rows' slots: (B, n_kv, n_keys, hd) each."""
+        if rows is None:
+            rows = slice(0, None)
+        return self.k[rows, :, :n_keys], self.v[rows, :, :n_keys]
 
 
 def apply_rope(x, cos, sin):
@@ -95,7 +106,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
         self.seen_dtypes = None  # (q, k, v) dtypes of the last eager call; train.py logs them once
 
-    def forward(self, x, cos, sin, cache=None, pos=None):
+    def forward(self, x, cos, sin, cache=None, pos=None, rows=None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -105,14 +116,14 @@ class Attention(nn.Module):
             self.seen_dtypes = (q.dtype, k.dtype, v.dtype)
         if cache is None:  # the training path: a full causal window
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # queries at arbitrary positions against everything the cache holds before them
-            cache.write(k, v, pos)
+        else:  # queries at arbitrary positions against everything their slot holds before them
+            cache.write(k, v, pos, rows)
             n_keys = int(pos.max()) + 1
+            keys, values = cache.read(n_keys, rows)
             key_pos = torch.arange(n_keys, device=x.device)
             mask = key_pos[None, None, None, :] <= pos[:, None, :, None]
-            y = F.scaled_dot_product_attention(q, cache.k[:, :, :n_keys].to(q.dtype),
-                                               cache.v[:, :, :n_keys].to(q.dtype),
-                                               attn_mask=mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -135,8 +146,8 @@ class Block(nn.Module):
         post = (lambda: RMSNorm(cfg.n_embd, cfg.norm_eps)) if sandwich else nn.Identity
         self.attn_post, self.mlp_post = post(), post()
 
-    def forward(self, x, cos, sin, cache=None, pos=None):
-        x = x + self.attn_post(self.attn(self.attn_norm(x), cos, sin, cache, pos))
+    def forward(self, x, cos, sin, cache=None, pos=None, rows=None):
+        x = x + self.attn_post(self.attn(self.attn_norm(x), cos, sin, cache, pos, rows))
         return x + self.mlp_post(self.mlp(self.mlp_norm(x)))
 
 
@@ -147,9 +158,9 @@ class Stack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg, sandwich) for _ in range(n))
 
-    def forward(self, x, cos, sin, caches=None, pos=None):
+    def forward(self, x, cos, sin, caches=None, pos=None, rows=None):
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if caches is None else caches[i], pos)
+            x = block(x, cos, sin, None if caches is None else caches[i], pos, rows)
         return x
 
 
@@ -158,8 +169,8 @@ class Core(Stack):
         super().__init__(cfg, cfg.n_core, sandwich=True)
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, e, s, cos, sin, caches=None, pos=None):
-        return super().forward(self.adapter(torch.cat([e, s], dim=-1)), cos, sin, caches, pos)
+    def forward(self, e, s, cos, sin, caches=None, pos=None, rows=None):
+        return super().forward(self.adapter(torch.cat([e, s], dim=-1)), cos, sin, caches, pos, rows)
 
 
 class GPT(nn.Module):
@@ -197,9 +208,9 @@ class GPT(nn.Module):
             return self.rope_cos[:T], self.rope_sin[:T]
         return self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # (B, 1, Tq, hd/2)
 
-    def prelude(self, idx, caches=None, pos=None):
+    def prelude(self, idx, caches=None, pos=None, rows=None):
         """Token ids (B, T) -> e (B, T, d), computed once per sequence."""
-        return self.prelude_blocks(self.wte(idx), *self.rope(idx.size(1), pos), caches, pos)
+        return self.prelude_blocks(self.wte(idx), *self.rope(idx.size(1), pos), caches, pos, rows)
 
     def init_state(self, e, mode="noise", generator=None):
         """s_0: N(0, state_std) per element (the training path) or zeros (reproducible exits)."""
@@ -210,20 +221,21 @@ class GPT(nn.Module):
         noise = torch.randn(e.shape, generator=generator, device=e.device, dtype=torch.float32)
         return (noise * self.config.state_std).to(e.dtype)
 
-    def core_step(self, e, s, caches=None, pos=None):
-        """One loop, s -> core(adapter([e, s])). e and s may be any subset of tokens as long
-        as `pos` (B, Tq) gives their positions and `caches` (one KVCache per core layer)
-        holds keys/values for everything they attend to."""
-        return self.core(e, s, *self.rope(s.size(1), pos), caches, pos)
+    def core_step(self, e, s, caches=None, pos=None, rows=None):
+        """One loop, s -> core(adapter([e, s])). e and s may be any subset of tokens as long as `pos`
+        (B, Tq) gives their positions and `caches` (one KVCache per core layer) holds, in the slots
+        `rows` (B,), keys/values for everything they attend to."""
+        return self.core(e, s, *self.rope(s.size(1), pos), caches, pos, rows)
 
-    def readout(self, s, caches=None, pos=None):
+    def readout(self, s, caches=None, pos=None, rows=None):
         """State -> logits (B, T, vocab) through the coda, final norm and tied head."""
-        return self.lm_head(self.norm(self.coda_blocks(s, *self.rope(s.size(1), pos), caches, pos)))
+        x = self.coda_blocks(s, *self.rope(s.size(1), pos), caches, pos, rows)
+        return self.lm_head(self.norm(x))
 
-    def new_caches(self, n_layers, batch, length, dtype=torch.float32):
+    def new_caches(self, n_layers, slots, length, dtype=torch.float32):
         c = self.config
-        return [KVCache(batch, c.n_kv_head, length, c.n_embd // c.n_head, self.wte.weight.device, dtype)
-                for _ in range(n_layers)]
+        head_dim = c.n_embd // c.n_head
+        return [KVCache(slots, c.n_kv_head, length, head_dim, self.wte.weight.device, dtype) for _ in range(n_layers)]
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
         """Training/eval path: r loops, gradients only through the last bptt_k of them
@@ -267,6 +279,23 @@ class GPT(nn.Module):
 
 
 # ---- helpers the measuring scripts share ----------------------------------------------
+# The convergence exits (allocate.py calibrates them, sample.py runs them) compare two loops, so no
+# token stops before loop 2, and no policy runs deeper than r_max, twice the training mean unless told.
+MIN_EXIT_LOOP = 2
+
+
+def default_r_max(config):
+    return 2 * config.mean_loops
+
+
+def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
+    """The convergence test after a loop, per token; a token stops once it falls below a threshold.
+    'kl': KL(p_i || p_{i-1}) of the two loops' outputs; 'state': ||s_i - s_{i-1}|| / ||s_i||."""
+    if criterion == "kl":
+        return token_kl(logits_new, logits_old)
+    return state_change(s_new, s_old, relative=True)
+
+
 def token_kl(logits_p, logits_q):
     """Per-token KL(p || q) in float32 from log-softmax; exactly 0 where p == q."""
     logp, logq = F.log_softmax(logits_p.float(), -1), F.log_softmax(logits_q.float(), -1)

@@ -4,16 +4,21 @@ time against KV caches (one for the prelude, one for the coda, one per loop for 
 loop's keys and values differ), at a fixed depth or at a per-token adaptive depth.
 
     python sample.py --loops 4 --start "ROMEO:" --num_samples 3     # --start FILE:prompt.txt reads a file
-    python sample.py --exit kl --exit_threshold 1e-4 --max_loops 32  # adaptive depth (A1); --exit state: nearly free
-    python sample.py --bench [--exit state --exit_threshold 0.45]    # tokens/s: no cache, cache, adaptive
+    python sample.py --exit kl --exit_threshold 1e-3 --num_samples 8  # adaptive depth (A1); --exit state: A1s
+    python sample.py --bench [--plot]   # tokens/s against the uniform frontier at batch 1, 8 and 32
+
+Adaptive depth batches continuously: every core call carries whichever sequences' current tokens are
+still looping, each at its own loop; a sequence whose token stops reads out, samples, and its next
+token joins the following call at loop 1, so no sequence waits for the slowest. Generation runs past
+block_size: when a sequence's context is full, its last block_size // 2 tokens are prefilled again at
+`loops` (a cost of block_size // 2 tokens x `loops` core loops every block_size // 2 new tokens).
 """
-import copy
+import json
 import os
 import platform
 import sys
 import time
 from collections import Counter
-from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from configurator import configure, die
-from model import load_checkpoint, state_change, token_kl
+from evaluate import markdown
+from model import MIN_EXIT_LOOP, default_r_max, exit_score, load_checkpoint
 from prepare import load_tokenizer
 
 # ---- defaults ------------------------------------------------------------------------------
@@ -31,128 +37,312 @@ num_samples = 3
 max_new_tokens = 200
 temperature = 0.8  # 0: greedy (argmax)
 top_k = 200  # 0: no top-k cut
-seed = 1337
-loops = None  # loops per token at fixed depth, and for the prompt in adaptive mode; None: the checkpoint's mean_loops
+seed = 1337  # sequence i samples, and draws its noise, from seed + i: the same text in any batch
+loops = 0  # loops per token at fixed depth, and the prompt's depth in adaptive mode; 0: mean_loops
 exit = "none"  # 'none' (fixed depth), 'kl' (KL(p_i || p_{i-1}) < threshold) or 'state' (relative state change)
-exit_threshold = 1e-4
-max_loops = None  # adaptive mode's cap; None: the checkpoint's max_loops
-state_init = "noise"  # 'noise' (the training path) or 'zero'
+exit_threshold = 1e-3
+r_max = 0  # adaptive mode's deepest loop; 0: 2 x mean_loops (allocate.py's default too)
+state_init = "noise"  # 'noise' (the training path) or 'zero' (allocate.py's, for the bench)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 compile = False
-bench = False  # benchmark tokens/s instead of sampling
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and (v is None or isinstance(v, (int, float, str, bool)))}
+bench = False  # tokens/s against the uniform frontier instead of sampling
+bench_tokens = 128  # bench: prompt length and new tokens per sequence
+plot = False  # bench: also write out_dir/sample_bench.png
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+BENCH_BATCHES = (1, 8, 32)
 
 
-# ---- caches and the "latest" sharing rule ----------------------------------------------------
-# A token that stopped at loop n has no keys/values of its own at deeper loops j > n. Later tokens
-# that run loop j attend to its keys/values from its last computed loop instead (the "latest" rule
-# Huginn uses), so no token is ever recomputed. Two places keep every loop's cache that way:
-#  1. share_latest: when a token stops at loop n, its entries at its position in loop n's caches
-#     are copied into the caches of every deeper loop that already exists;
-#  2. core_caches: a loop's caches, created when a token first needs that loop, start as a copy of
-#     the deepest existing loop's, which (by 1.) holds every earlier token's latest keys/values.
-def core_caches(caches, loop):
-    """Loop `loop`'s core caches (0-based), made on first use as a copy of the deepest (rule 2)."""
-    if loop == len(caches["core"]):
-        caches["core"].append(copy.deepcopy(caches["core"][-1]))
-    return caches["core"][loop]
+# ---- caches and the "latest" rule ------------------------------------------------------------
+# The core cache of a batch of B sequences has one slot per (loop, sequence): slot loop * B + b. A token
+# that stopped after n loops has no keys/values of its own at deeper loops; later tokens that run those
+# loops attend to the K/V of its last loop instead (the "latest" rule, as Huginn does): share_latest
+# copies them into the deeper loops' slots when the token stops. The KL exit reads out after every
+# loop, so its coda cache has a slot per loop too, under the same rule. This is exactly what
+# allocate.py's teacher-forced exit sees, so the thresholds it calibrates mean the same thing here.
+def new_caches(model, batch, n_loops, coda_per_loop):
+    c = model.config
+    return {"prelude": model.new_caches(c.n_prelude, batch, c.block_size),
+            "core": model.new_caches(c.n_core, n_loops * batch, c.block_size),
+            "coda": model.new_caches(c.n_coda, (n_loops if coda_per_loop else 1) * batch, c.block_size)}
 
 
-def share_latest(caches, n_loops, t):
-    """Rule 1: position t stopped after n_loops loops; deeper loops get its last keys/values."""
-    for deeper in caches["core"][n_loops:]:
-        for dst, src in zip(deeper, caches["core"][n_loops - 1]):
-            dst.k[:, :, t], dst.v[:, :, t] = src.k[:, :, t], src.v[:, :, t]
+def share_latest(caches, seqs, pos, loops_run, batch):
+    """Sequences seqs (n,) stopped their tokens at positions pos (n, T) after loops_run (n,) loops:
+    in every per-loop cache, each deeper loop's slot gets the keys/values of the last loop each ran."""
+    for cache in caches:
+        n_loops = len(cache.k) // batch
+        last = ((loops_run - 1) * batch + seqs)[:, None]
+        for deeper in range(1, n_loops):
+            copy = loops_run <= deeper
+            if copy.any():
+                dst = (deeper * batch + seqs[copy])[:, None]
+                cache.k[dst, :, pos[copy]] = cache.k[last[copy], :, pos[copy]]
+                cache.v[dst, :, pos[copy]] = cache.v[last[copy], :, pos[copy]]
 
 
-def initial_states(model, batch, length, mode, seed, device):
-    """s_0 (batch, length, d) for every position, from one seeded generator: the cached and the
-    recomputing paths both take each position's s_0 from this table, so both see the same noise."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    return model.init_state(torch.empty(batch, length, model.config.n_embd, device=device), mode, g)
+def per_loop_caches(caches):
+    """The caches that hold one slot per loop: the core's, and the coda's under the KL exit."""
+    coda_per_loop = len(caches["coda"][0].k) > len(caches["prelude"][0].k)
+    return caches["core"] + (caches["coda"] if coda_per_loop else [])
+
+
+def initial_states(model, n_seqs, length, mode, seed, device):
+    """s_0 (n_seqs, length, d): sequence i's from its own generator (seed + i), so a sequence gets the
+    same noise alone or in any batch; token j of a sequence always starts from row j."""
+    rows = []
+    for i in range(n_seqs):
+        g = torch.Generator(device=device).manual_seed(seed + i)
+        rows.append(model.init_state(torch.empty(1, length, model.config.n_embd, device=device), mode, g))
+    return torch.cat(rows)
 
 
 # ---- generation ------------------------------------------------------------------------------
-def sample_next(logits, temperature, top_k, generator):
-    """(B, vocab) logits -> (B, 1) next tokens; temperature 0 is greedy."""
+def sample_next(logits, temperature, top_k, generators):
+    """(n, vocab) logits -> (n,) next tokens, row i drawn with generators[i]; temperature 0 is greedy."""
     if temperature == 0:
-        return logits.argmax(-1, keepdim=True)
+        return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+    probs = F.softmax(logits, dim=-1)
+    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
 
 
-def feed(model, idx, pos, s, caches, loops, exit="none", threshold=0.0):
-    """Tokens idx at positions pos (B, T) from states s -> (logits of the last token, loops run).
-    exit 'none': `loops` loops. 'kl' or 'state' (one token, batch 1): at most `loops`, fewer once the
-    exit test falls below threshold, KL(p_i || p_{i-1}) or the relative change of the state."""
-    e = model.prelude(idx, caches["prelude"], pos)
-    logits = None
+def prefill(model, caches, ids, seqs, s0, loops, batch):
+    """Tokens ids (n, T) of sequences seqs (n,) at positions 0..T-1, every one at `loops` loops, in
+    lockstep. Returns the logits after the last token, (n, vocab)."""
+    n, T = ids.shape
+    pos = torch.arange(T, device=ids.device).expand(n, T)
+    whole = n == batch  # the whole batch: every cache read is a plain slice, no gather
+    rows = None if whole else seqs
+    coda_per_loop = len(caches["coda"][0].k) > batch
+    e = model.prelude(ids, caches["prelude"], pos, rows)
+    s = s0
     for loop in range(loops):
-        s_new = model.core_step(e, s, core_caches(caches, loop), pos)
-        if exit == "kl":  # each readout writes the coda cache at pos: the last write, from the final state, wins
-            new_logits = model.readout(s_new, caches["coda"], pos)[:, -1]
-            done = logits is not None and token_kl(new_logits, logits).item() < threshold
-            logits = new_logits
+        loop_rows = slice(loop * batch, (loop + 1) * batch) if whole else loop * batch + seqs
+        s = model.core_step(e, s, caches["core"], pos, loop_rows)
+        if coda_per_loop:  # the KL exit's later tokens read these tokens' coda K/V at every loop
+            logits = model.readout(s, caches["coda"], pos, loop_rows)
+    if not coda_per_loop:
+        logits = model.readout(s, caches["coda"], pos, rows)
+    share_latest(per_loop_caches(caches), seqs, pos, torch.full_like(seqs, loops), batch)
+    return logits[:, -1]
+
+
+def start_tokens(model, g, seqs, logits):
+    """Sample the next token of sequences seqs (n,), then put it in flight: its prelude now, its state
+    at s_0 and its loop count at 0. A sequence whose context is full first prefills its last
+    block_size // 2 tokens again (the just-sampled one included) and samples from that instead."""
+    tokens = g.pick(logits, seqs)
+    g.out[seqs, g.T0 + g.n_made[seqs]] = tokens
+    g.n_made[seqs] += 1
+    if g.on_token is not None:
+        g.on_token(g.out, g.n_made, seqs)
+    seqs = seqs[g.n_made[seqs] < g.n_new]  # the last new token is never fed back
+    full = seqs[g.pos[seqs] + 1 == model.config.block_size]
+    if len(full):  # full sequences are all at the same place: their token counts are equal
+        keep = model.config.block_size // 2
+        j = int(g.T0 + g.n_made[full[0]])
+        logits = prefill(model, g.caches, g.out[full, j - keep:j], full, g.s0[full, j - keep:j], g.loops, g.B)
+        g.pos[full] = keep - 1
+        start_tokens(model, g, full, logits)
+        seqs = seqs[g.pos[seqs] + 1 < model.config.block_size]
+    if len(seqs) == 0:
+        return
+    j = g.T0 + g.n_made[seqs] - 1  # each fed token's index in out (and in s0)
+    g.pos[seqs] += 1
+    g.loop[seqs] = 0
+    rows = None if len(seqs) == g.B else seqs
+    g.e[seqs] = model.prelude(g.out[seqs, j][:, None], g.caches["prelude"], g.pos[seqs, None], rows)
+    g.s[seqs] = g.s0[seqs, j][:, None]
+
+
+@torch.no_grad()
+def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_max=0, on_token=None):
+    """Prefill idx (B, T0) at `loops`, then n_new tokens per sequence, one core call per step.
+    exit 'none': every token runs `loops` loops, all sequences in lockstep. 'kl' / 'state': a token
+    stops after loop i >= 2 once its exit score is below threshold, or at r_max, and the sequences
+    batch continuously. pick(logits, seqs) -> next tokens; s0 (B, T0 + n_new, d) the initial states.
+    Returns (tokens (B, T0 + n_new), per sequence the loops each fed-back new token ran, seconds spent
+    after the prefill)."""
+    B, T0 = idx.shape
+    block, adaptive = model.config.block_size, exit != "none"
+    g = SimpleNamespace(B=B, T0=T0, n_new=n_new, loops=loops, pick=pick, on_token=on_token, s0=s0,
+                        caches=new_caches(model, B, max(loops, r_max) if adaptive else loops, exit == "kl"),
+                        out=torch.cat([idx, idx.new_zeros(B, n_new)], 1),
+                        n_made=torch.zeros(B, dtype=torch.long, device=idx.device),  # new tokens so far
+                        pos=torch.full((B,), min(T0, block) - 1, device=idx.device),  # cache position in flight
+                        loop=torch.zeros(B, dtype=torch.long, device=idx.device),  # loops run by it
+                        e=s0.new_zeros(B, 1, s0.size(-1)), s=s0.new_zeros(B, 1, s0.size(-1)),
+                        logits=torch.zeros(B, model.config.vocab_size, device=idx.device))  # kl: the last loop's
+    every = torch.arange(B, device=idx.device)
+    logits = prefill(model, g.caches, idx[:, -block:], every, s0[:, max(0, T0 - block):T0], loops, B)
+    t0 = time.perf_counter()
+    depths = [[] for _ in range(B)]
+    start_tokens(model, g, every, logits)
+    while (g.n_made < n_new).any():
+        run = (g.n_made < n_new).nonzero()[:, 0]  # every sequence with a token in flight
+        if adaptive:
+            rows = g.loop[run] * B + run
+        else:  # lockstep: one block of slots, read without a gather
+            rows = slice(int(g.loop[0]) * B, (int(g.loop[0]) + 1) * B)
+        s_new = model.core_step(g.e[run], g.s[run], g.caches["core"], g.pos[run, None], rows)
+        g.loop[run] += 1
+        logits = None
+        if exit == "kl":
+            coda_rows = (g.loop[run] - 1) * B + run
+            logits = model.readout(s_new, g.caches["coda"], g.pos[run, None], coda_rows)[:, -1].float()
+        if not adaptive:
+            done = g.loop[run] == loops
         else:
-            done = exit == "state" and state_change(s_new, s, relative=True).item() < threshold
-        s = s_new
-        if done:
-            break
-    if exit != "kl":
-        logits = model.readout(s, caches["coda"], pos)[:, -1]
-    if exit != "none":  # at fixed depth every token fills every loop's cache itself
-        share_latest(caches, loop + 1, int(pos[0, 0]))
-    return logits, loop + 1
+            old_logits = None if logits is None else g.logits[run]
+            score = exit_score(exit, s_new, g.s[run], logits, old_logits).view(-1)
+            done = (g.loop[run] == r_max) | ((g.loop[run] >= MIN_EXIT_LOOP) & (score < threshold))
+        g.s[run] = s_new
+        if logits is not None:
+            g.logits[run] = logits
+        stopped = run[done]
+        if len(stopped) == 0:
+            continue
+        for b, n in zip(stopped.tolist(), g.loop[stopped].tolist()):
+            depths[b].append(n)
+        if adaptive:
+            share_latest(per_loop_caches(g.caches), stopped, g.pos[stopped, None], g.loop[stopped], B)
+        if exit == "kl":
+            logits = g.logits[stopped]
+        else:
+            rows = None if len(stopped) == B else stopped
+            logits = model.readout(g.s[stopped], g.caches["coda"], g.pos[stopped, None], rows)[:, -1]
+        start_tokens(model, g, stopped, logits)
+    return g.out, depths, time.perf_counter() - t0
 
 
-@torch.no_grad()
-def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, max_loops=1, on_token=lambda idx: None):
-    """Prefill idx (B, T0) at `loops`, then n_new tokens one at a time against the caches.
-    -> (idx with the new tokens, loops run by each new token that was fed back, caches)."""
-    (B, T0), c, L = idx.shape, model.config, idx.size(1) + n_new
-    caches = {"prelude": model.new_caches(c.n_prelude, B, L), "coda": model.new_caches(c.n_coda, B, L),
-              "core": [model.new_caches(c.n_core, B, L)]}  # one list of n_core caches per loop, made on first use
-    logits, _ = feed(model, idx, torch.arange(T0, device=idx.device).expand(B, T0), s0[:, :T0], caches, loops)
-    depths = []
-    for t in range(T0, T0 + n_new):
-        idx = torch.cat([idx, pick(logits)], dim=1)
-        on_token(idx)
-        if t == T0 + n_new - 1:  # the last token is never fed back
-            break
-        pos = torch.full((B, 1), t, device=idx.device)
-        logits, n = feed(model, idx[:, t:], pos, s0[:, t:t + 1], caches, max_loops if exit != "none" else loops, exit, threshold)
-        depths.append(n)
-    return idx, depths, caches
+# ---- the benchmark ---------------------------------------------------------------------------
+def bench_configs(alloc):
+    """(policy, index, exit, threshold, loops) for uniform r = 1..r_max and allocate.py's A1 and A1s grids."""
+    configs = [("A0", r - 1, "none", 0.0, r) for r in range(1, alloc["r_max"] + 1)]
+    for key, exit in (("A1", "kl"), ("A1s", "state")):
+        for i, point in enumerate(alloc["curves"][key]):
+            configs.append((key, i, exit, point["threshold"], alloc["mean_loops"]))
+    return configs
 
 
-@torch.no_grad()
-def generate_nocache(model, idx, n_new, loops, s0, pick):
-    """nanoGPT's generate: the whole context recomputed for every new token (reference, bench (a))."""
-    for _ in range(n_new):
-        e, s = model.prelude(idx), s0[:, :idx.size(1)]
-        for _ in range(loops):
-            s = model.core_step(e, s)
-        idx = torch.cat([idx, pick(model.readout(s)[:, -1])], dim=1)
-    return idx
+def run_bench(model, C, data_dir, ckpt):
+    """Greedy generation tokens/s at batch 1, 8 and 32 for uniform r = 1..r_max and every A1/A1s
+    threshold, zero init: prompts of bench_tokens tokens from val.bin, bench_tokens new tokens each,
+    decode time only (the prompt is prefilled at mean_loops for the thresholds, at r for uniform r).
+    Every configuration runs once per round, for 3 rounds; each keeps its median. A policy's loss is
+    its teacher-forced loss from out_dir/allocate.json (same r_max, init and K/V rule), so a speedup
+    is read against the uniform frontier at the same loss, with its bootstrap interval."""
+    from allocate import estimate, frontier, iso_loss_speedup, show, speedup_at
+    path = os.path.join(C.out_dir, "allocate.json")
+    if not os.path.isfile(path):
+        die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first (the bench reads the losses from it)")
+    with open(path) as f:
+        alloc = json.load(f)
+    if alloc["checkpoint"]["iter_num"] != ckpt["iter_num"]:
+        die(f"{path} is from iter {alloc['checkpoint']['iter_num']}, the checkpoint from {ckpt['iter_num']}: rerun it")
+    meta = ckpt["config"]["dataset_meta"]
+    P = N = C.bench_tokens
+    if P + N > model.config.block_size:
+        die(f"--bench_tokens {P}: a prompt and its new tokens must fit block_size {model.config.block_size}")
+    val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")
+    if len(val) < P:
+        die(f"{data_dir}/val.bin has {len(val)} tokens, fewer than one {P}-token prompt")
+    starts = np.linspace(0, len(val) - P, max(BENCH_BATCHES)).astype(int)  # spread over val, one per sequence
+    prompts = torch.stack([torch.from_numpy(val[i:i + P].astype(np.int64)) for i in starts])
+    greedy = lambda logits, seqs: logits.argmax(-1)  # noqa: E731
+    sync = torch.cuda.synchronize if C.device.startswith("cuda") else (lambda: None)
+    configs = bench_configs(alloc)
+    pw = {key: (np.array(loss), np.array(depth)) for key, (loss, depth) in alloc["per_window"].items()}
+    print(f"benchmark: greedy, zero init, {P}-token prompts from val.bin + {N} new tokens per sequence, decode "
+          f"tokens/s, median of 3 rounds; {platform.processor() or platform.machine()}, {C.device}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    res = {"args": vars(C), "prompt_tokens": P, "new_tokens": N, "batches": {}}
+    alone = {}  # (policy, index) -> the first sequence's tokens at batch 1
+    for batch in BENCH_BATCHES:
+        idx = prompts[:batch].to(C.device)
+        s0 = initial_states(model, batch, P + N, "zero", C.seed, C.device)
+        times, outs = {}, {}
+        for rnd in range(3):
+            for key, i, exit, threshold, loops in configs:
+                sync()
+                out, depths, seconds = generate(model, idx, N, loops, s0, greedy, exit, threshold, alloc["r_max"])
+                sync()
+                times.setdefault((key, i), []).append(seconds)
+                outs[(key, i)] = (out[:, P:], depths)
+        reference = outs[("A0", alloc["mean_loops"] - 1)][0]
+        speeds = {k: batch * (N - 1) / float(np.median(t)) for k, t in times.items()}  # N - 1 fed back per sequence
+        uniform_speeds = [speeds[("A0", r)] for r in range(alloc["r_max"])]
+        front = frontier(zip([p["loss"] for p in alloc["curves"]["A0"]], uniform_speeds))
+        rows = []
+        for key, i, exit, threshold, loops in configs:
+            tokens, depths = outs[(key, i)]
+            loss = alloc["curves"][key][i]["loss"]
+            if batch == 1:
+                alone[(key, i)] = tokens[0]
+            row = {"policy": key, "setting": f"r={loops}" if key == "A0" else f"{threshold:.3g}",
+                   "loops_per_token": float(np.mean([d for seq in depths for d in seq])), "loss": loss,
+                   "tokens_per_s": speeds[(key, i)], "equal_to_uniform_mean": int((tokens == reference).sum()),
+                   "first_equal_to_batch_1": int((tokens[0] == alone[(key, i)]).sum())}
+            if key != "A0":
+                row["speedup"] = estimate(speedup_at, pw, 1000, C.seed, key=key, point=i,
+                                          uniform_speeds=uniform_speeds, speed=speeds[(key, i)])
+                row["where"] = iso_loss_speedup(front, loss, speeds[(key, i)])[1]
+            rows.append(row)
+        res["batches"][batch] = rows
+        print(f"\n## Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
+              f"of {batch * N}; first: the first sequence's tokens equal to its batch-1 run's, of {N})\n")
+        table = []
+        for r in rows:
+            speedup = ""
+            if "speedup" in r:
+                speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
+            table.append([r["policy"], r["setting"], f"{r['loops_per_token']:.2f}", f"{r['loss']:.4f}",
+                          f"{r['tokens_per_s']:,.1f}", speedup, r["equal_to_uniform_mean"], r["first_equal_to_batch_1"]])
+        print(markdown(["policy", "r / threshold", "loops/token", "teacher-forced loss", "tokens/s",
+                        "iso-loss speedup [95% CI]", "equal", "first"], table))
+    with open(os.path.join(C.out_dir, "sample_bench.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    if C.plot:
+        plot_bench(res, alloc, os.path.join(C.out_dir, "sample_bench.png"))
+    return res
+
+
+def plot_bench(res, alloc, path):
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(res["batches"]), figsize=(5.5 * len(res["batches"]), 4.2), squeeze=False)
+    for ax, (batch, rows) in zip(axes[0], res["batches"].items()):
+        for key, label in (("A0", "uniform frontier (r = 1..r_max)"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
+            points = sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key)
+            ax.plot(*zip(*points), "o-" if key == "A0" else ".--", label=label)
+        ax.set_xscale("log")
+        ax.set(xlabel="decode tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"Generation, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # ---- the command line --------------------------------------------------------------------------
-def prompt_ids(text, encode, decode, block_size, n_new):
+def prompt_ids(text, encode, decode):
     if text.startswith("FILE:"):
         if not os.path.isfile(text[5:]):
             die(f"--start {text}: no such file")
-        with open(text[5:], encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(text[5:], encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as err:
+            die(f"--start {text}: not UTF-8 text ({err.reason} at byte {err.start})")
     if not text:
         die("--start: the prompt is empty (the default is a newline)")
     ids = encode(text)
     if decode(ids) != text:
         die("--start: the tokenizer cannot encode the prompt exactly (characters it does not know?)")
-    if len(ids) + n_new > block_size:
-        die(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the model's block_size {block_size}: shorten one")
     return ids
 
 
@@ -167,51 +357,29 @@ def stream(decode, ids, shown):
 
 
 def validate(C, cfg):
-    for name, least in (("loops", 1), ("max_loops", 2 if C.exit == "kl" else 1)):  # kl compares two loops' outputs
-        value = getattr(C, name)
-        if value is not None and (type(value) is not int or value < least):
-            die(f"--{name} must be an integer >= {least}, got {value!r}")
-    if C.exit not in ("none", "kl", "state") or C.state_init not in ("noise", "zero"):
-        die(f"--exit must be none, kl or state and --state_init noise or zero (got {C.exit!r}, {C.state_init!r})")
-    if C.num_samples < 1 or C.max_new_tokens < 1 or C.temperature < 0 or C.top_k < 0 or C.exit_threshold < 0:
-        die("need --num_samples >= 1, --max_new_tokens >= 1, --temperature >= 0, --top_k >= 0, --exit_threshold >= 0")
-    return C.loops or cfg.mean_loops, C.max_loops or cfg.max_loops
+    """-> (loops, r_max) with the checkpoint's defaults filled in; one message per broken rule."""
+    loops = C.loops or cfg.mean_loops
+    r_max = C.r_max or default_r_max(cfg)
+    for name, value, least in (("loops", C.loops, 0), ("r_max", C.r_max, 0), ("num_samples", C.num_samples, 1),
+                               ("max_new_tokens", C.max_new_tokens, 1), ("top_k", C.top_k, 0),
+                               ("bench_tokens", C.bench_tokens, 1)):
+        if value < least:
+            die(f"--{name} must be >= {least}, got {value}")
+    if C.temperature < 0 or C.exit_threshold < 0:
+        die(f"--temperature and --exit_threshold must be >= 0, got {C.temperature} and {C.exit_threshold}")
+    if C.exit not in ("none", "kl", "state"):
+        die(f"--exit must be none, kl or state, got {C.exit!r}")
+    if C.state_init not in ("noise", "zero"):
+        die(f"--state_init must be noise or zero, got {C.state_init!r}")
+    if C.exit != "none" and r_max < MIN_EXIT_LOOP:
+        die(f"--r_max {r_max}: an exit compares two loops, so adaptive depth needs r_max >= {MIN_EXIT_LOOP}")
+    return loops, r_max
 
 
-def run_bench(model, C, data_dir, meta, loops, max_loops):
-    """Batch 1, greedy: a P-token prompt (the start of val.bin) then N new tokens, timed end to end."""
-    P = N = min(256, model.config.block_size // 2)
-    val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")
-    if len(val) < P:
-        die(f"{data_dir}/val.bin has {len(val)} tokens, fewer than the {P}-token benchmark prompt")
-    idx = torch.from_numpy(val[:P].astype(np.int64))[None].to(C.device)
-    s0 = initial_states(model, 1, P + N, C.state_init, C.seed, C.device)
-    greedy = partial(sample_next, temperature=0.0, top_k=0, generator=None)
-    sync = torch.cuda.synchronize if C.device.startswith("cuda") else (lambda: None)
-
-    def timed(fn, *args):  # -> (fn's result, tokens/s)
-        fn(model, idx, 8, *args)  # warm-up: allocator, kernels, compilation
-        sync()
-        t0 = time.perf_counter()
-        out = fn(model, idx, N, *args)
-        sync()
-        return out, N / (time.perf_counter() - t0)
-
-    print(f"benchmark: batch 1, greedy, state_init {C.state_init}, prompt P = {P} and N = {N} new tokens, end to end "
-          f"({'as in the issue' if P == 256 else f'block_size {model.config.block_size} // 2: the issue asks 256'}); "
-          f"{platform.processor() or platform.machine()}, {C.device}, torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    _, tps_a = timed(generate_nocache, loops, s0, greedy)
-    (ref, _, _), tps_b = timed(generate, loops, s0, greedy)
-    print(f"| mode | loops/new token | tokens/s | speedup | greedy tokens equal to (b) |\n|---|---|---|---|---|\n"
-          f"| (a) no cache, loops {loops} | {loops} | {tps_a:.1f} | | |\n"
-          f"| (b) cache, loops {loops} | {loops} | {tps_b:.1f} | {tps_b / tps_a:.2f}x (b)/(a) | {N}/{N} |")
-    sweep = [("kl", x) for x in (1e-2, 1e-3, 1e-4)] + [("state", x) for x in (1e-1, 3e-2, 1e-2)]
-    for exit, threshold in [(C.exit, C.exit_threshold)] if C.exit != "none" else sweep:  # --exit: that point only
-        (out, depths, _), tps = timed(generate, loops, s0, greedy, exit, threshold, max_loops)
-        print(f"| (c) {exit} < {threshold:g}, max {max_loops} | {sum(depths) / len(depths):.2f} | {tps:.1f} | "
-              f"{tps / tps_b:.2f}x (c)/(b) | {int((out[0, P:] == ref[0, P:]).sum())}/{N} |")
-    print(f"\nthe prompt is prefilled at loops {loops} in every mode; (c) at equal quality is the threshold whose "
-          f"teacher-forced loss matches uniform loops {loops} (allocate.py measures it)")
+def pickers(C, n):
+    """pick(logits, seqs): sequence i samples with its own generator (seed + i), as alone."""
+    gens = [torch.Generator(device=C.device).manual_seed(C.seed + i) for i in range(n)]
+    return lambda logits, seqs: sample_next(logits, C.temperature, C.top_k, [gens[i] for i in seqs.tolist()])
 
 
 def main(argv=()):
@@ -219,38 +387,38 @@ def main(argv=()):
     if C.device.startswith("cuda") and not torch.cuda.is_available():
         die(f"--device {C.device}: CUDA is not available here")
     model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
-    loops, max_loops = validate(C, model.config)
+    loops, r_max = validate(C, model.config)
     data_dir = os.path.join("data", ckpt["config"]["dataset"])
     encode, decode = load_tokenizer(data_dir)
     if C.compile:  # per part, as train.py does; dynamic: the cached key length grows every token
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(dynamic=True)
     if C.bench:
-        return run_bench(model, C, data_dir, ckpt["config"]["dataset_meta"], loops, max_loops)
-    ids = prompt_ids(C.start, encode, decode, model.config.block_size, C.max_new_tokens)
-    pick = partial(sample_next, temperature=C.temperature, top_k=C.top_k,
-                   generator=torch.Generator(device=C.device).manual_seed(C.seed))
-    # fixed depth: all samples as one batch; adaptive depth: one sequence at a time
-    batch, runs = (C.num_samples, 1) if C.exit == "none" else (1, C.num_samples)
-    all_depths, t0 = [], time.perf_counter()
-    for run in range(runs):
-        s0 = initial_states(model, batch, len(ids) + C.max_new_tokens, C.state_init, C.seed + run, C.device)
-        shown = stream(decode, ids, "")
+        return run_bench(model, C, data_dir, ckpt)
+    ids = prompt_ids(C.start, encode, decode)
+    n = C.num_samples
+    idx = torch.tensor([ids] * n, device=C.device)
+    s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
+    shown = stream(decode, ids, "")
 
-        def on_token(idx):  # streams the first sequence; the batch's others are printed when done
-            nonlocal shown
-            shown = stream(decode, idx[0].tolist(), shown)
-        out, depths, _ = generate(model, torch.tensor([ids] * batch, device=C.device), C.max_new_tokens, loops, s0,
-                                  pick, C.exit, C.exit_threshold, max_loops, on_token)
-        for row in range(batch):
-            text = decode(out[row].tolist())
-            print(text[len(shown):] if row == 0 else text, end="\n---------------\n", flush=True)
-        all_depths += depths
-    n_tokens, dt = C.num_samples * C.max_new_tokens, time.perf_counter() - t0
+    def on_token(out, n_made, seqs):  # streams the first sequence; the others are printed when done
+        nonlocal shown
+        if 0 in seqs.tolist():
+            shown = stream(decode, out[0, :len(ids) + int(n_made[0])].tolist(), shown)
+
+    t0 = time.perf_counter()
+    out, depths, _ = generate(model, idx, C.max_new_tokens, loops, s0, pickers(C, n), C.exit, C.exit_threshold,
+                              r_max, on_token)
+    dt = time.perf_counter() - t0
+    for row in range(n):
+        text = decode(out[row].tolist())
+        print(text[len(shown):] if row == 0 else text, end="\n---------------\n", flush=True)
     mode = f"loops {loops}" if C.exit == "none" else f"exit {C.exit} < {C.exit_threshold:g}, prompt at loops {loops}"
-    print(f"{n_tokens} new tokens in {dt:.2f}s: {n_tokens / dt:.1f} tokens/s ({mode})", file=sys.stderr)
+    print(f"{n * C.max_new_tokens} new tokens in {dt:.2f}s: {n * C.max_new_tokens / dt:.1f} tokens/s ({mode}, "
+          f"batch {n})", file=sys.stderr)
+    all_depths = [d for row in depths for d in row]
     if all_depths and C.exit != "none":
-        hist = " ".join(f"{n}:{c}" for n, c in sorted(Counter(all_depths).items()))
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(Counter(all_depths).items()))
         print(f"loops per new token: mean {sum(all_depths) / len(all_depths):.2f}, histogram (loops:tokens) {hist}",
               file=sys.stderr)
     return out

@@ -1,4 +1,5 @@
 """Tests for allocate.py on a tiny model trained here on a byte-level dataset of real English text."""
+import copy
 import importlib
 import json
 import os
@@ -12,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
-from evaluate import load_windows  # noqa: E402
+from evaluate import load_windows, trace  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 
 R_MAX = 6  # 2 x the tiny model's mean_loops
@@ -53,11 +54,56 @@ def test_interpolation_on_a_hand_made_curve():
     assert allocate.interp_loss(curve, 3) == pytest.approx(3.25)
     assert allocate.interp_loss(curve, 8) == pytest.approx(2.9)
     assert allocate.interp_loss(curve, 0.5) is None and allocate.interp_loss(curve, 9) is None
-    assert allocate.depth_at_bar(curve, 3.25) == pytest.approx(3.0)
-    assert allocate.depth_at_bar(curve, 3.6) == pytest.approx(1.8)
-    assert allocate.depth_at_bar(curve, 5.0) == 1  # already there at its shallowest point
-    assert allocate.depth_at_bar(curve, 2.0) is None
-    assert allocate.depth_at_bar([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
+    assert allocate.depth_at_loss(curve, 3.25) == pytest.approx(3.0)
+    assert allocate.depth_at_loss(curve, 3.6) == pytest.approx(1.8)
+    assert allocate.depth_at_loss(curve, 5.0) == 1  # already there at its shallowest point
+    assert allocate.depth_at_loss(curve, 2.0) is None
+    assert allocate.depth_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
+
+
+def test_frontier_on_a_hand_made_curve():
+    # uniform r = 1..4 as (loss, tokens/s); r=4 is slower than r=3 and no better: off the frontier
+    uniform = [(4.0, 1000.0), (3.0, 600.0), (2.5, 400.0), (2.6, 300.0)]
+    front = allocate.frontier(uniform)
+    assert front == [(2.5, 400.0), (3.0, 600.0), (4.0, 1000.0)]
+    # a point at loss 3.5 running 1600 tokens/s: the frontier runs 800 there (half way from 600 to 1000)
+    assert allocate.iso_loss_speedup(front, 3.5, 1600.0) == (pytest.approx(2.0), "inside")
+    # at 800 tokens/s the frontier's loss is 3.5: 0.25 nats better than it at 3.25
+    assert allocate.iso_speed_gain(front, 3.25, 800.0) == pytest.approx(0.25)
+    # better than every uniform depth: read against the best uniform point, flagged as a lower bound
+    assert allocate.iso_loss_speedup(front, 2.0, 500.0) == (pytest.approx(1.25), "below")
+    assert allocate.iso_speed_gain(front, 2.0, 500.0) == pytest.approx(2.75 - 2.0)
+    assert allocate.iso_loss_speedup(front, 4.5, 500.0)[1] == "above"
+    assert allocate.iso_speed_gain(front, 3.0, 2000.0) is None  # faster than the fastest uniform depth
+
+
+def test_bootstrap_interval_on_a_synthetic_pair():
+    """A1 is A0 minus 0.05 nats on every window, plus noise. Over 40 synthetic evaluations the paired 95%
+    interval holds the true -0.05 about 95% of the time, and it narrows as the windows grow (~1/sqrt(n))."""
+    def stat(pw):
+        return pw["A1"][0][0].mean() - pw["A0"][0][0].mean()
+
+    widths, covered = {}, 0
+    for n in (64, 1024):
+        widths[n] = []
+        for trial in range(40 if n == 64 else 5):
+            g = np.random.default_rng(1000 * n + trial)
+            a0 = g.normal(3.0, 0.3, n)
+            a1 = a0 - 0.05 + g.normal(0, 0.05, n)
+            ones = np.ones((1, n))
+            est = allocate.estimate(stat, {"A0": (a0[None], ones), "A1": (a1[None], ones)}, 500, trial)
+            low, high = est["interval"]
+            assert low <= est["value"] <= high
+            covered += n == 64 and low < -0.05 < high
+            widths[n].append(high - low)
+    assert covered >= 34  # 95% nominal; 34 of 40 leaves room for chance
+    assert np.mean(widths[1024]) < 0.4 * np.mean(widths[64])
+
+
+def test_undefined_statistics_have_no_interval():
+    ones = np.ones((1, 8))
+    pw = {"A0": (ones, ones)}
+    assert allocate.estimate(lambda pw: None, pw, 100, 0) == {"value": None, "interval": None}
 
 
 def test_label_harvester_on_crafted_argmaxes():
@@ -75,70 +121,76 @@ def test_probe_learns_a_separable_toy_problem():
     assert ((prob(x) > 0.5) == y).float().mean() > 0.95
 
 
-def test_a1_eps_zero_is_a0_at_r_max_and_huge_eps_is_the_minimum(trained):
+@pytest.mark.parametrize("engine", [allocate.masked_exit, allocate.realized_exit])
+def test_threshold_zero_is_a0_at_r_max_and_huge_is_loop_2(trained, engine):
     _, model, X, Y = trained
-    tr = allocate.trace(model, X, Y, R_MAX)
-    loss, depth, _ = allocate.masked_exit(model, X, Y, R_MAX, "kl", 0.0)
+    tr = trace(model, X, Y, R_MAX)
+    loss, depth = engine(model, X, Y, R_MAX, "kl", 0.0)[:2]
     assert torch.all(depth == R_MAX)
     torch.testing.assert_close(loss, tr["loss"][-1], rtol=0, atol=1e-5)
-    loss, depth, _ = allocate.masked_exit(model, X, Y, R_MAX, "kl", 1e9)
-    assert torch.all(depth == 2)  # the first KL compares loops 2 and 1
-    torch.testing.assert_close(loss, tr["loss"][1], rtol=0, atol=1e-5)
-    assert torch.all(allocate.masked_exit(model, X, Y, R_MAX, "state", 1e9)[1] == 2)
-    assert torch.all(allocate.masked_exit(model, X, Y, R_MAX, "probe", 2.0, lambda s: s[..., 0] * 0)[1] == 1)
+    for criterion, probe in (("kl", None), ("state", None), ("probe", lambda s: s[..., 0] * 0)):
+        loss, depth = engine(model, X, Y, R_MAX, criterion, 1e9, probe)[:2]
+        assert torch.all(depth == 2)  # no exit before loop 2, whatever the policy
+        torch.testing.assert_close(loss, tr["loss"][1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("criterion", ["kl", "state"])
 def test_frozen_tokens_stop_changing(trained, criterion):
     _, model, X, Y = trained
-    tr = allocate.trace(model, X, Y, R_MAX)
-    eps = (tr["kl"] if criterion == "kl" else tr["dstate"])[2].median().item()  # freezes about half by loop 3
-    short_loss, short_depth, short_s = allocate.masked_exit(model, X, Y, 4, criterion, eps)
-    loss, depth, s = allocate.masked_exit(model, X, Y, 8, criterion, eps)
+    tr = trace(model, X, Y, R_MAX)
+    eps = (tr["kl"] if criterion == "kl" else tr["dstate_rel"])[2].median().item()  # freezes about half by loop 3
+    short_loss, short_depth = allocate.masked_exit(model, X, Y, 4, criterion, eps)
+    loss, depth = allocate.masked_exit(model, X, Y, 8, criterion, eps)
     frozen = short_depth < 4  # frozen before the short run's last loop
     assert 0.2 < frozen.float().mean() < 1 and torch.all(depth[~frozen] >= 4) and (depth > 4).any()
     assert torch.equal(depth[frozen], short_depth[frozen])
-    assert torch.equal(s[frozen], short_s[frozen])  # four more loops did not move their states
-    if criterion == "kl":  # and their carried distributions did not change either
+    if criterion == "kl":  # four more loops did not change their carried distributions
         assert torch.equal(loss[frozen], short_loss[frozen])
 
 
-@pytest.mark.parametrize("criterion", ["kl", "state"])
-def test_realized_matches_masking_harness_with_fewer_core_evals(trained, criterion):
+@pytest.mark.parametrize("criterion", ["kl", "state", "probe"])
+def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained, criterion):
     _, model, X, Y = trained
-    tr = allocate.trace(model, X, Y, R_MAX)
-    eps = (tr["kl"] if criterion == "kl" else tr["dstate"])[2].median().item()
-    masked_loss, masked_depth, _ = allocate.masked_exit(model, X, Y, R_MAX, criterion, eps)
-    runs = [allocate.realized_exit(model, x[None], y[None], R_MAX, criterion, eps) for x, y in zip(X, Y)]
-    loss, depth = torch.stack([r[0] for r in runs]), torch.stack([r[1] for r in runs])
-    n_core, n_read = sum(r[2] for r in runs), sum(r[3] for r in runs)
-    assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.005
+    model = copy.deepcopy(model).double()  # float64: batch shapes cannot flip a decision by rounding
+    tr = trace(model, X, Y, R_MAX, keep_states=True)
+    probe = lambda s: torch.sigmoid(s[..., 0].float() * 3)  # noqa: E731  any function of the state
+    scores = {"kl": tr["kl"], "state": tr["dstate_rel"], "probe": probe(tr["state"])}
+    eps = scores[criterion][2].float().median().item()
+    loss, depth, evals = allocate.realized_exit(model, X, Y, R_MAX, criterion, eps, probe)
+    for i in range(len(X)):  # token for token, window by window
+        one_loss, one_depth, _ = allocate.realized_exit(model, X[i:i + 1], Y[i:i + 1], R_MAX, criterion, eps, probe)
+        assert torch.equal(one_depth[0], depth[i])
+        torch.testing.assert_close(one_loss[0], loss[i], rtol=0, atol=1e-12)
+    masked_loss, masked_depth = allocate.masked_exit(model, X, Y, R_MAX, criterion, eps, probe)
+    assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.005  # they differ only in frozen tokens' K/V
     assert abs(depth.float().mean().item() - masked_depth.float().mean().item()) < 0.25
-    assert n_core == depth.sum().item() < 0.8 * Y.numel() * R_MAX  # one core evaluation per token per loop it ran
-    assert n_read == (depth.sum().item() if criterion == "kl" else Y.numel())
-    run = allocate.realized_run(model, X, Y, R_MAX, 3, criterion, eps)
-    assert run["loss"] == pytest.approx(loss.mean().item(), abs=1e-6) and run["core_token_evals"] == n_core
-    assert run["uniform_loss"] == pytest.approx(tr["loss"][2].mean().item(), abs=1e-5)  # = A0 at mean_loops
+    assert depth.sum().item() <= evals < 0.8 * Y.numel() * R_MAX  # frozen tokens cost nothing (padding aside)
 
 
 def test_main_writes_json_table_and_plot(trained, monkeypatch):
     root, *_ = trained
     monkeypatch.chdir(root)
     res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=5", "--batch_size=4", "--n_grid=4",
-                         "--timing_reps=1", "--probe_steps=50", "--plot", "--realized"])
+                         "--timing_reps=1", "--timing_windows=4", "--probe_steps=50", "--bootstrap=50", "--plot",
+                         "--realized"])
     saved = json.loads((root / "out" / "allocate.json").read_text())
     assert (root / "out" / "allocate.png").stat().st_size > 0
     assert saved["r_max"] == R_MAX and saved["bar"] == saved["curves"]["A0"][2]["loss"] == res["bar"]
     assert [p["avg_depth"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
-    for key, lowest in (("A1", 2), ("A1s", 2), ("A2", 1)):
+    for key in ("A1", "A1s", "A2"):
         assert len(saved["curves"][key]) == 4
-        assert all(lowest <= p["avg_depth"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][key])
+        assert all(2 <= p["avg_depth"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][key])
     assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
-    assert saved["depth_at_bar"]["A0"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
-    assert set(saved["realized"]) == {"kl", "state"} and all(saved["realized"][k] for k in ("kl", "state"))
+    assert saved["depth_at_bar"]["A0"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
+    assert set(saved["realized"]) == {"1", "4"}  # batch 1 and batch_size
+    for rows in saved["realized"].values():
+        assert [r["policy"] for r in rows] == ["A0"] * R_MAX + ["A1"] * 4 + ["A1s"] * 4
+        assert all(r["tokens_per_s"] > 0 for r in rows)
+        assert all(r["speedup"]["value"] > 0 for r in rows if r["policy"] != "A0")
+    assert len(saved["per_window"]["A1"][0]) == 4 and len(saved["per_window"]["A1"][0][0]) == 6
 
 
-@pytest.mark.parametrize("args", [["--out_dir=nowhere"], ["--out_dir=out", "--r_max=0"], ["--out_dir=out", "--r_max=2"],
+@pytest.mark.parametrize("args", [["--out_dir=nowhere"], ["--out_dir=out", "--r_max=-1"], ["--out_dir=out", "--r_max=2"],
                                   ["--out_dir=out", "--windows=1000000"], ["--out_dir=out", "--r_max=x"]])
 def test_bad_input_exits_with_one_line(trained, monkeypatch, capsys, args):
     monkeypatch.chdir(trained[0])

@@ -48,9 +48,9 @@ def workdir(tmp_path_factory):
         for split, text in (("train", train_text), ("val", val_text)):
             ids = np.array(tok.encode(text).ids + [0], dtype=np.uint16)
             ids.tofile(f"data/tiny/{split}.bin")
-            sizes[split] = len(ids)
-        meta = dict(source="test", tokenizer="bpe:300", vocab_size=300, eot_id=0, dtype="uint16",
-                    train_tokens=sizes["train"], val_tokens=sizes["val"])
+            sizes[f"{split}_tokens"] = len(ids)
+            sizes[f"{split}_bytes"] = len(text.encode("utf-8"))  # the byte count, known by construction
+        meta = dict(source="test", tokenizer="bpe:300", vocab_size=300, eot_id=0, dtype="uint16", **sizes)
         Path("data/tiny/meta.json").write_text(json.dumps(meta))
         train.main(TINY)
     return root
@@ -112,7 +112,7 @@ def test_default_loop_counts_and_bad_loops():
 def test_eval_json_schema_ranges_and_figures(indir, capsys):
     res = evaluate.main(FAST + ["--plot"])
     out = capsys.readouterr().out
-    assert "| loops r | loss (nats) | ppl | tokens/s (batch 1) | relative throughput |" in out
+    assert "| loops r | loss (nats/token) | nats / bits per byte | ppl | tokens/s (batch 1) |" in out
     assert "| loop i | mean KL |" in out and "noise init" in out
     saved = json.loads(Path("out-tiny/eval.json").read_text())
     assert saved == json.loads(json.dumps(res))
@@ -120,9 +120,14 @@ def test_eval_json_schema_ranges_and_figures(indir, capsys):
                           "token_classes", "ceiling", "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["plot"] is True and saved["ceiling"] is None
     assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
+    meta = json.loads(Path("data/tiny/meta.json").read_text())
     for row in saved["elasticity"]:
-        assert set(row) == {"loops", "loss", "ppl", "tokens_per_s", "relative_throughput"}
+        assert set(row) == {"loops", "loss", "loss_per_byte", "bits_per_byte", "ppl", "tokens_per_s",
+                            "relative_throughput"}
         assert 0 < row["loss"] < np.log(300) + 1 and row["ppl"] == pytest.approx(np.exp(row["loss"]))
+        # per byte: the loss per token times the val split's tokens per UTF-8 byte
+        assert row["loss_per_byte"] == pytest.approx(row["loss"] * meta["val_tokens"] / meta["val_bytes"])
+        assert row["bits_per_byte"] == pytest.approx(row["loss_per_byte"] / np.log(2))
         assert row["tokens_per_s"] > 0
     assert next(r for r in saved["elasticity"] if r["loops"] == 4)["relative_throughput"] == 1.0
 
