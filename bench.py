@@ -12,7 +12,6 @@ compute, not data loading. Medians over rounds; a markdown table, and everything
 import json
 import os
 import statistics
-import sys
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -22,7 +21,7 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train
-from configurator import configure, die
+from configurator import check_device, check_model, configure, die, require_positive, run
 from model import GPT, GPTConfig
 
 # ---- bench-only defaults (train.py's defaults and config files apply as well) -----------
@@ -148,15 +147,18 @@ def main(argv=()):
     """Run the benchmark; returns the dict written to bench_json."""
     argv = list(argv)
     C = SimpleNamespace(**configure(train.DEFAULTS | BENCH_DEFAULTS, argv))
-    if C.dtype not in ("float32", "bfloat16"):
-        die(f"dtype must be 'float32' or 'bfloat16', got {C.dtype!r}")
-    if min(C.warmup_steps, C.bench_steps, C.rounds) < 1 or min(C.vocab_size, C.matmul_n, C.profile_rows) < 0:
-        die("need warmup_steps, bench_steps, rounds >= 1 and vocab_size, matmul_n, profile_rows >= 0")
-    if not 1 <= C.mean_loops <= C.max_loops or C.bptt_k < 1:
-        die(f"need 1 <= mean_loops <= max_loops and bptt_k >= 1 (got {C.mean_loops}, {C.max_loops}, {C.bptt_k})")
+    check_device(C.device, C.dtype)
+    require_positive(C, "warmup_steps", "bench_steps", "rounds", "batch_size")
+    for key in ("vocab_size", "matmul_n", "profile_rows"):
+        if getattr(C, key) < 0:
+            die(f"--{key} must be >= 0, got {getattr(C, key)}")
+    check_model(C)
+    # checked before the benchmark runs, not when its results are written minutes later
+    if C.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        die(f"--compile_backend={C.compile_backend!r} is not a torch.compile backend (e.g. inductor, eager)")
+    if not os.path.isdir(os.path.dirname(C.bench_json) or "."):
+        die(f"--bench_json={C.bench_json}: the directory {os.path.dirname(C.bench_json)} does not exist")
     cuda = C.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        die(f"device {C.device!r} asked for but CUDA is not available")
     torch.manual_seed(C.seed)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.py
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[C.dtype]
@@ -263,4 +265,4 @@ def print_report(out, C):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main)

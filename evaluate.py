@@ -15,7 +15,6 @@ Tables on stdout, every number in out_dir/eval.json, figures with --plot; window
 import json
 import math
 import os
-import sys
 import time
 import unicodedata
 from contextlib import nullcontext
@@ -26,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from configurator import configure, die
+from configurator import (check_device, configure, default_device, die, require_package, require_positive,
+                          run)
 from model import load_checkpoint, state_change, token_kl
 
 # ---- defaults --------------------------------------------------------------------------
@@ -41,8 +41,7 @@ timing_windows = 4  # batch-1 forwards timed per loop count, after one warm-up
 seed = 1337
 hf_model = ""  # e.g. HuggingFaceTB/SmolLM2-135M; needs `transformers`
 plot = False
-device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+device, dtype = default_device()  # cuda + bfloat16 when a GPU is there, else cpu + float32
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 MOVING_KL = 1e-3  # the paper's "still moving" line, fixed so tables compare across runs
 CLASSES = ("space", "numeral", "punctuation", "word")
@@ -265,30 +264,21 @@ def plot_figures(res, out_dir):
 def main(argv=()):
     t_start = time.perf_counter()
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
-    if C.windows < 1 or C.batch_size < 1 or C.timing_windows < 1 or not C.exit_threshold > 0:
-        die("need windows, batch_size, timing_windows >= 1 and exit_threshold > 0")
-    if C.diag_init not in ("noise", "zero") or C.dtype not in ("float32", "bfloat16"):
-        die(f"need diag_init in noise/zero and dtype in float32/bfloat16, got {C.diag_init!r}, {C.dtype!r}")
+    require_positive(C, "windows", "batch_size", "timing_windows", "exit_threshold")
+    check_device(C.device, C.dtype)
+    if C.diag_init not in ("noise", "zero"):
+        die(f"--diag_init must be noise or zero, got {C.diag_init!r}")
     if C.hf_model:  # fail before the long part, not after it
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            die("--hf_model needs the optional `transformers` package: pip install transformers")
+        require_package("transformers", "--hf_model")
     model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
     mean, block = model.config.mean_loops, model.config.block_size
     sweep = loop_counts(C.loops, mean)
     n_diag = C.diag_loops or 2 * mean
     if n_diag < max(2, mean):
         die(f"--diag_loops {n_diag}: the diagnostic needs at least 2 loops and at least mean_loops ({mean})")
-    data_dir = os.path.join("data", ckpt["config"]["dataset"])
-    for name in ("meta.json", "val.bin"):
-        if not os.path.isfile(os.path.join(data_dir, name)):
-            die(f"{C.out_dir}/ckpt.pt was trained on {data_dir}/, which has no {name}: run prepare.py for it")
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
-    if meta["vocab_size"] != model.config.vocab_size:
-        die(f"{data_dir} has vocab_size {meta['vocab_size']}, the checkpoint {model.config.vocab_size}: not its data")
-    from prepare import load_tokenizer
+    from prepare import load_tokenizer, open_dataset
+    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
+    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path, splits=("val",))
     _, decode = load_tokenizer(data_dir)
     wins = load_windows(os.path.join(data_dir, "val.bin"), meta["dtype"], C.windows, block + 1, C.seed).to(C.device)
     ctx = nullcontext() if C.dtype == "float32" else torch.autocast(C.device.split(":")[0], dtype=torch.bfloat16)
@@ -344,4 +334,4 @@ def main(argv=()):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main)

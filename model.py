@@ -24,7 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from configurator import check_device, die
+
 CKPT_FORMAT = "nanoloop-1"  # marks checkpoints written by this project's train.py
+CKPT_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng")  # all saved
 
 
 @dataclass
@@ -309,23 +312,33 @@ def state_change(s_new, s_old, relative=False):
 
 
 def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict at path, or one clear line and exit 2 if it is missing, corrupt or foreign."""
-    from configurator import die
+    """The checkpoint dict at path, or one line and exit 2 if missing, corrupt, foreign or incomplete."""
+    check_device(device)  # a missing GPU is the machine's fault, not the checkpoint's
     if not os.path.isfile(path):
         die(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:  # corrupt or foreign
-        die(f"{path} is not a readable checkpoint: {type(err).__name__}: {str(err).splitlines()[0]}")
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:  # corrupt, foreign
+        reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        die(f"{path} ({os.path.getsize(path)} bytes) is not a readable checkpoint: {reason}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         die(f"{path} is not a nanoloop checkpoint (missing format marker {CKPT_FORMAT!r})")
+    missing = [key for key in CKPT_KEYS if key not in ckpt]
+    if missing:
+        die(f"{path} has the format marker but no {', '.join(missing)}: an incomplete checkpoint")
     return ckpt
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, checkpoint dict)."""
+    """-> (model in eval mode, checkpoint dict); one line and exit 2 for missing or non-finite weights."""
     ckpt = read_checkpoint(path, device)
     names = {f.name for f in fields(GPTConfig)}
     model = GPT(GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in names}))
-    model.load_state_dict(ckpt["model"])
+    bad = [name for name, t in ckpt["model"].items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:  # train.py never saves such a model, but an older run could have
+        die(f"{path} has non-finite weights ({bad[0]}, {len(bad) - 1} more): its run diverged before saving")
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as err:  # missing, unexpected or misshapen weights
+        die(f"{path}: its weights do not fit its model_args: {err}".splitlines()[0])
     return model.to(device).eval(), ckpt

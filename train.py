@@ -9,10 +9,8 @@ One recursion count r ~ round(LogNormal(log mean_loops, 0.5)), clamped to [1, ma
 is drawn per optimizer step from the seed and the step number alone, so every DDP rank
 and every resumed run draws the same r. The first r - bptt_k loops run without grad.
 """
-import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -22,8 +20,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 import torch.distributed as dist
 
-from configurator import configure, die
+from configurator import (check_device, check_model, configure, default_device, die, inherit, require_package,
+                          require_positive, run)
 from model import CKPT_FORMAT, GPT, GPTConfig, read_checkpoint
+from prepare import open_dataset
 
 # ---- defaults: the CPU run that `python train.py` does ----------------------------------
 out_dir = "out-shakespeare"
@@ -32,6 +32,7 @@ log_interval = 10
 eval_iters = 10
 always_save_checkpoint = True
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+overwrite_checkpoint = False  # a scratch run in an out_dir that holds a ckpt.pt replaces it (else an error)
 wandb_log = False
 wandb_project = "nanoloop"
 wandb_run_name = "run"
@@ -65,8 +66,7 @@ beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 # system
-device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+device, dtype = default_device()  # cuda + bfloat16 when a GPU is there, else cpu + float32
 compile = torch.cuda.is_available()
 seed = 1337
 peak_flops = 0.0  # FLOP/s that MFU is measured against; 0: measure a matmul at start-up
@@ -133,8 +133,11 @@ def save_checkpoint(obj, path):
 
 
 def measure_matmul_flops(device, dtype, n=None, reps=5):
-    """The machine's ceiling as measured, not a datasheet number: a square matmul's FLOP/s."""
-    n = n or (8192 if device.startswith("cuda") else 2048)
+    """The machine's ceiling as measured, not a datasheet number: a square matmul's FLOP/s (on a CPU, sized
+    by a 256^2 probe to ~0.2 s a matmul, at most 2048^2: bfloat16 there can be 50x slower than float32)."""
+    if n is None and not device.startswith("cuda"):
+        n = int(min(2048, (0.1 * measure_matmul_flops(device, dtype, 256, 1)) ** (1 / 3)))
+    n = n or 8192
     g = torch.Generator(device=device).manual_seed(0)  # leaves the training run's streams alone
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -169,14 +172,16 @@ def estimate_loss(model, C, data_dir, bin_dtype, ctx):
 
 def main(argv=()):
     """Run training; returns the list of (iter, loops, loss) for every optimizer step taken."""
-    C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
-    if C.dtype not in ("float32", "bfloat16"):
-        die(f"dtype must be 'float32' or 'bfloat16', got {C.dtype!r}")
+    given = set()  # the keys a config file or the command line set: a resumed run checks them
+    C = SimpleNamespace(**configure(DEFAULTS, list(argv), given))
+    check_device(C.device, C.dtype)
+    require_positive(C, "batch_size", "gradient_accumulation_steps", "learning_rate", "eval_iters",
+                     "eval_interval", "log_interval")
+    check_model(C)
     if C.init_from not in ("scratch", "resume"):
         die(f"init_from must be 'scratch' or 'resume', got {C.init_from!r}")
-    if not 1 <= C.mean_loops <= C.max_loops or C.bptt_k < 1:
-        die(f"need 1 <= mean_loops <= max_loops and bptt_k >= 1 (got {C.mean_loops}, {C.max_loops}, {C.bptt_k})")
     sample_loops(0, C.seed, C.mean_loops, C.max_loops, C.loop_dist)  # validates loop_dist
+    wandb = require_package("wandb", "--wandb_log=True") if C.wandb_log else None
     ddp = int(os.environ.get("RANK", -1)) != -1
     if ddp:
         dist.init_process_group(backend="nccl" if C.device.startswith("cuda") else "gloo")
@@ -198,18 +203,17 @@ def main(argv=()):
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[C.dtype]
     ctx = nullcontext() if C.dtype == "float32" else torch.autocast(device_type, dtype=ptdtype)
 
-    data_dir = os.path.join("data", C.dataset)
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(meta_path):
-        die(f"{meta_path} not found: run `python prepare.py` first (see README)")
-    with open(meta_path) as f:
-        meta = json.load(f)
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
-    model_args = {k: getattr(C, k) for k in MODEL_KEYS} | {"vocab_size": meta["vocab_size"]}
     ckpt = None
     if C.init_from == "resume":
         ckpt = read_checkpoint(ckpt_path, C.device)
-        model_args = ckpt["model_args"]  # the architecture is the checkpoint's, not the command line's
+        inherit(C, {k: ckpt["model_args"][k] for k in MODEL_KEYS}, given, ckpt_path)  # its shape and loops
+        C.dataset = C.dataset if "dataset" in given else ckpt["config"]["dataset"]
+    elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
+        die(f"{ckpt_path} holds a run at step {read_checkpoint(ckpt_path)['iter_num']}: continue it with "
+            f"--init_from=resume, or replace it with --overwrite_checkpoint=True")
+    data_dir, meta = open_dataset(C.dataset, ckpt, ckpt_path)
+    model_args = {k: getattr(C, k) for k in MODEL_KEYS} | {"vocab_size": meta["vocab_size"]}
     model = GPT(GPTConfig(**model_args)).to(C.device)
     optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device_type)
     g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)
@@ -246,7 +250,6 @@ def main(argv=()):
     if ddp:
         model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None)
     if C.wandb_log and master:
-        import wandb
         wandb.init(project=C.wandb_project, name=C.wandb_run_name, config=vars(C))
     peak = C.peak_flops or measure_matmul_flops(C.device, ptdtype)
     log(f"MFU is against {peak / 1e12:.3f} TFLOP/s ({'given' if C.peak_flops else 'measured matmul'}, {C.dtype})")
@@ -269,7 +272,9 @@ def main(argv=()):
             log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{bpb} (loops={C.mean_loops})")
             if C.wandb_log and master:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-            if losses["val"] < best_val_loss or C.always_save_checkpoint:
+            if not (math.isfinite(losses["val"]) and all(p.isfinite().all() for p in raw_model.parameters())):
+                log(f"step {iter_num}: non-finite val loss or weights, not saved (the last checkpoint stays)")
+            elif losses["val"] < best_val_loss or C.always_save_checkpoint:
                 best_val_loss = min(best_val_loss, losses["val"])
                 rng = {"data": [g_data.get_state()], "torch": [torch.get_rng_state()]}
                 if device_type == "cuda":
@@ -327,4 +332,4 @@ def main(argv=()):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main)

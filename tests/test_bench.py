@@ -1,5 +1,6 @@
 """Tests for bench.py: the FLOP counts it reports, the dense twin's sizing, and one tiny end-to-end run."""
 import json
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,11 +105,25 @@ def test_vocab_comes_from_the_flag_the_prepared_dataset_or_its_tokenizer(tmp_pat
     assert bench.resolve_vocab(SimpleNamespace(vocab_size=77, dataset="mine")) == (77, "--vocab_size")
 
 
-@pytest.mark.parametrize("bad", ["--bench_steps=0", "--rounds=0", "--dtype=float16", "--mean_loops=9", "--nope=1"])
-def test_bad_input_dies_with_one_line(bad, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("bad", ["--bench_steps=0", "--rounds=0", "--dtype=float16", "--mean_loops=9", "--nope=1",
+                                 "--compile_backend=nonsense", "--bench_json=no/such/dir/bench.json",
+                                 "--n_head=3", "--matmul_n=-1"])
+def test_bad_input_dies_with_one_line_before_the_benchmark_runs(bad, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "GPT", None)  # building a model would fail: every check comes first
     with pytest.raises(SystemExit) as exit_info:
         bench.main(TINY_ARGS + [bad])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    import configurator
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "dense_twin", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(sys, "argv", ["bench.py"] + TINY_ARGS)
+    with pytest.raises(SystemExit) as exit_info:
+        configurator.run(bench.main)
+    assert exit_info.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
+    assert not (tmp_path / "bench.json").exists()

@@ -198,3 +198,70 @@ def test_hf_model_without_transformers(indir, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         evaluate.main(FAST + ["--hf_model=HuggingFaceTB/SmolLM2-135M"])
     assert e.value.code == 2 and "transformers" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- issue 12
+
+def test_hf_model_reference_on_a_tiny_local_model(indir, tmp_path, capsys):
+    """--hf_model on a 2-layer GPT-2 built here and saved locally, with a fast tokenizer around data/tiny's BPE."""
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    tok = PreTrainedTokenizerFast(tokenizer_file="data/tiny/tokenizer.json", eos_token="<|endoftext|>")
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=128, n_embd=16, n_layer=2, n_head=2,
+                                    bos_token_id=0, eos_token_id=0))
+    lm.save_pretrained(tmp_path / "hf")
+    tok.save_pretrained(tmp_path / "hf")
+    res = evaluate.main(FAST + ["--loops=4", f"--hf_model={tmp_path / 'hf'}"])
+    ceiling = res["ceiling"]
+    assert ceiling["model"] == str(tmp_path / "hf") and ceiling["tokens"] > 0 and ceiling["bytes"] > 0
+    # an untrained model with the same tokenizer: about log(300) nats per token, worse than ours
+    assert 4 < ceiling["loss_per_token"] < 7 and ceiling["loss_per_token"] > ceiling["ours_loss_per_token"]
+    assert ceiling["ours_tokens"] == 6 * 32
+    assert json.loads(Path("out-tiny/eval.json").read_text())["ceiling"]["loss_per_byte"] == ceiling["loss_per_byte"]
+
+
+def test_dataset_prepared_again_with_another_tokenizer_is_refused(tmp_path, monkeypatch, capsys):
+    """The issue's reproduction: train, prepare the same name with another tokenizer, evaluate or resume."""
+    monkeypatch.chdir(tmp_path)
+    Path("corpus.txt").write_text(tiny_text(400, 0))
+    prepare.main(["corpus.txt", "--tokenizer", "bpe:300"])
+    train.main(TINY + ["--dataset=corpus", "--max_iters=2", "--eval_interval=2", "--block_size=16"])
+    first = json.loads(Path("data/corpus/meta.json").read_text())["tokenizer_sha256"]
+    prepare.main(["corpus.txt", "--tokenizer", "bpe:300", "--val_fraction=0.5"])  # other text, another BPE
+    second = json.loads(Path("data/corpus/meta.json").read_text())["tokenizer_sha256"]
+    assert first != second
+    capsys.readouterr()
+    for run in (lambda: evaluate.main(FAST), lambda: train.main(TINY + ["--dataset=corpus", "--init_from=resume", "--block_size=16"])):
+        with pytest.raises(SystemExit) as e:
+            run()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and first in err and second in err
+
+
+@pytest.mark.parametrize("case, message", [("cuda", "no CUDA GPU is available"), ("empty", "(0 bytes) is not a readable checkpoint"),
+                                           ("nan", "has non-finite weights")])
+def test_bad_device_or_checkpoint_is_one_line(indir, tmp_path, capsys, case, message):
+    if case == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "empty":
+        (out / "ckpt.pt").write_bytes(b"")
+    else:
+        ckpt = torch.load("out-tiny/ckpt.pt", weights_only=True)
+        if case == "nan":  # what an older train.py saved after its val loss went NaN
+            ckpt["model"]["core.adapter.weight"].fill_(float("nan"))
+        torch.save(ckpt, out / "ckpt.pt")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(FAST + [f"--out_dir={out}"] + (["--device=cuda"] if case == "cuda" else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and message in err and "checkpoint" not in err * (case == "cuda")
+
+
+def test_ctrl_c_is_one_line(indir, monkeypatch, capsys):
+    import configurator
+    monkeypatch.setattr(evaluate, "sweep_point", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(sys, "argv", ["evaluate.py"] + FAST)
+    with pytest.raises(SystemExit) as e:
+        configurator.run(evaluate.main)
+    assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, token_kl, state_change
+from model import CKPT_FORMAT, GPT, GPTConfig, KVCache, load_checkpoint, state_change, token_kl
 
 TINY = dict(vocab_size=50, block_size=16, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48,
             n_prelude=1, n_core=2, n_coda=1, mean_loops=3, max_loops=6, bptt_k=2)
@@ -166,3 +166,61 @@ def test_flops_per_token_counts_grad_loops_three_times():
     per_loop_fwd = 2 * core + 4 * 16 * cfg.n_embd * cfg.n_core
     assert model.flops_per_token(5, 2, 16) - model.flops_per_token(4, 2, 16) == per_loop_fwd
     assert model.flops_per_token(4, 3, 16) - model.flops_per_token(4, 2, 16) == 2 * per_loop_fwd
+
+
+def a_checkpoint(**changes):
+    """What train.py saves, for a tiny untrained model; `changes` replace or (None) remove keys."""
+    model = tiny()
+    ckpt = {"format": CKPT_FORMAT, "model_args": dict(TINY), "model": model.state_dict(), "optimizer": {},
+            "iter_num": 7, "best_val_loss": 3.0, "config": {"dataset": "tiny"}, "rng": {}}
+    ckpt.update(changes)
+    return {k: v for k, v in ckpt.items() if v is not None}
+
+
+def bad_weights(kind):
+    state = tiny().state_dict()
+    if kind == "nan":
+        state["core.adapter.weight"][0, 0] = float("nan")
+    if kind == "inf":
+        state["wte.weight"][3] = float("-inf")
+    if kind == "missing":
+        del state["core.adapter.weight"]
+    if kind == "misshapen":
+        state["wte.weight"] = state["wte.weight"][:10]
+    return state
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty", "(0 bytes) is not a readable checkpoint"),
+    ("no_model", "has the format marker but no model"),
+    ("no_rng_no_optimizer", "but no optimizer, rng"),
+    ("nan", "has non-finite weights (core.adapter.weight"),
+    ("inf", "has non-finite weights (wte.weight"),
+    ("missing", "its weights do not fit its model_args"),
+    ("misshapen", "its weights do not fit its model_args"),
+])
+def test_bad_checkpoints_are_one_line(tmp_path, capsys, case, message):
+    path = tmp_path / "ckpt.pt"
+    if case == "empty":
+        path.write_bytes(b"")
+    elif case == "no_model":
+        torch.save(a_checkpoint(model=None), path)
+    elif case == "no_rng_no_optimizer":
+        torch.save(a_checkpoint(rng=None, optimizer=None), path)
+    else:
+        torch.save(a_checkpoint(model=bad_weights(case)), path)
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(str(path))
+    text = capsys.readouterr().err
+    assert err.value.code == 2 and text.count("\n") == 1 and message in text, text
+
+
+def test_a_good_checkpoint_loads_and_cuda_without_a_gpu_is_the_devices_fault(tmp_path, capsys):
+    torch.save(a_checkpoint(), tmp_path / "ckpt.pt")
+    model, ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert ckpt["iter_num"] == 7 and not model.training
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit):
+        load_checkpoint(str(tmp_path / "ckpt.pt"), "cuda")
+    assert "no CUDA GPU is available" in capsys.readouterr().err

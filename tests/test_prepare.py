@@ -1,7 +1,13 @@
 """Tests for prepare.py: every test runs in its own tmp dir (prepare writes data/ under the cwd)."""
+import hashlib
 import json
+import multiprocessing
+import os
 import random
+import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +19,7 @@ import prepare  # noqa: E402
 
 EOT = "<|endoftext|>"
 META_KEYS = {"source", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "train_bytes",
-             "val_bytes"}
+             "val_bytes", "tokenizer_sha256", "data_sha256"}
 
 
 def make_docs(n, seed=0):
@@ -66,6 +72,7 @@ def test_txt_dir_bpe_roundtrip(txt_corpus):
     assert meta["val_bytes"] == len(txt_corpus[9].encode("utf-8"))
     assert int((bins["train"] == 0).sum()) == 9 and int((bins["val"] == 0).sum()) == 1
     assert bins["train"].max() < 300
+    assert meta["tokenizer_sha256"] == hashlib.sha256(Path("data/corpus/tokenizer.json").read_bytes()).hexdigest()
 
 
 def test_jsonl_file_split_disjoint(workdir):
@@ -235,7 +242,11 @@ def test_hub_sources_streamed(workdir, monkeypatch, source):
     ["corpus", "--val_fraction", "1.5"],
     ["corpus", "--max_tokens", "0"],
     ["corpus", "--name", ".."],                        # would put the dataset outside data/
-    ["corpus/doc00.txt"],                              # one .txt file is one document: no val split
+    ["one_char.txt"],                                  # too short to hold out a val split
+    ["corpus", "--val_fraction", "0"],                 # an empty val.bin, on which train.py would crash
+    ["corpus", "--max_tokens", "1"],                   # no token left for one of the splits
+    ["latin1.txt"],                                    # not UTF-8: one file...
+    ["latin1_dir"],                                    # ...or one of several
     ["notext.jsonl"],                                  # no `text` field
     ["empty_dir"],
     ["mixed"],                                         # .txt and .jsonl together
@@ -246,6 +257,11 @@ def test_bad_input_dies(txt_corpus, argv):
     Path("mixed").mkdir()
     Path("mixed/a.txt").write_text("a document")
     Path("mixed/b.jsonl").write_text('{"text": "another"}\n')
+    Path("one_char.txt").write_text("a")
+    Path("latin1.txt").write_bytes("Ce naïf café\n\nest fermé.\n".encode("latin-1"))
+    Path("latin1_dir").mkdir()
+    Path("latin1_dir/a.txt").write_text("fine text")
+    Path("latin1_dir/b.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(SystemExit) as e:
         prepare.main(argv)
     assert e.value.code == 2
@@ -300,3 +316,188 @@ def test_shakespeare_download_end_to_end(workdir):
                  if m in train + val]
     assert not leftovers, f"Gutenberg header/licence text left in the bins: {leftovers}"
     assert 0.1 <= len(val) / (len(train) + len(val)) < 0.2  # whole plays, just past val_fraction
+
+
+# ----------------------------------------------------------------------------- issue 12: nothing is lost
+
+def test_single_text_file_is_cut_at_paragraphs(workdir):
+    """nanoGPT's `python prepare.py input.txt`: the last paragraphs are val, neither split is empty."""
+    paragraphs = [f"Paragraph {i}.\n" + "\n".join(make_docs(1, seed=i)[0].splitlines()) for i in range(30)]
+    text = "\n\n".join(paragraphs) + "\n"
+    Path("input.txt").write_text(text, encoding="utf-8")
+    prepare.main(["input.txt", "--tokenizer", "bpe:300"])
+    meta, bins = read_dataset("input")
+    _, decode = prepare.load_tokenizer("data/input")
+    train, val = decode(bins["train"]), decode(bins["val"])
+    assert train.endswith(EOT) and val.endswith(EOT) and train.count(EOT) == val.count(EOT) == 1
+    assert train[:-len(EOT)] + val[:-len(EOT)] == text  # the exact text, cut once
+    assert val.startswith("Paragraph ") and train[:-len(EOT)].endswith("\n\n")  # at a blank line
+    assert 0.1 <= len(val) / len(text) < 0.2
+    # no blank line at all: cut at 1 - val_fraction of the characters
+    Path("lines.txt").write_text("".join(f"line {i} of a file without paragraphs\n" for i in range(50)))
+    prepare.main(["lines.txt", "--tokenizer", "bpe:300"])
+    meta, bins = read_dataset("lines")
+    assert meta["train_tokens"] > 0 and meta["val_tokens"] > 1
+
+
+def test_max_tokens_never_writes_an_empty_split(txt_corpus):
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--max_tokens", "5"])
+    meta, bins = read_dataset("corpus")
+    assert (meta["train_tokens"], meta["val_tokens"]) == (4, 1) == (len(bins["train"]), len(bins["val"]))
+
+
+def test_non_utf8_text_is_one_line(workdir, capsys):
+    Path("input.txt").write_bytes(b"Ce na\xeff caf\xe9\n\nest ferm\xe9.\n")
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["input.txt"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "not UTF-8" in err
+
+
+def test_corpus_inside_data_name_is_never_deleted(workdir, capsys):
+    """The issue's reproduction: nanoGPT's layout, data/<name>/ holding the corpus, and prepare.py's default
+    name being that directory's name."""
+    Path("data/mycorp").mkdir(parents=True)
+    docs = make_docs(10)
+    for i, doc in enumerate(docs):
+        Path(f"data/mycorp/doc{i:02d}.txt").write_text(doc, encoding="utf-8")
+    before = {p.name: p.read_bytes() for p in Path("data/mycorp").iterdir()}
+    for argv in (["data/mycorp"],                              # data/<name> is the source
+                 ["data/mycorp/doc00.txt", "--name", "mycorp"]):  # data/<name> contains it
+        with pytest.raises(SystemExit) as e:
+            prepare.main(argv + ["--tokenizer", "bpe:300"])
+        assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+        assert {p.name: p.read_bytes() for p in Path("data/mycorp").iterdir()} == before
+    prepare.main(["data/mycorp", "--tokenizer", "bpe:300", "--name", "mycorp_bpe"])  # the way out
+    # a user's file put next to a prepared dataset is not prepare.py's to delete either
+    Path("data/mycorp_bpe/notes.md").write_text("mine")
+    with pytest.raises(SystemExit):
+        prepare.main(["data/mycorp", "--tokenizer", "bpe:280", "--name", "mycorp_bpe"])
+    assert Path("data/mycorp_bpe/notes.md").read_text() == "mine"
+    assert read_dataset("mycorp_bpe")[0]["tokenizer"] == "bpe:300"
+
+
+def test_kill_between_the_swaps_renames_keeps_the_old_dataset(txt_corpus, monkeypatch):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    before = Path("data/corpus/meta.json").read_text()
+    real_replace = os.replace
+
+    def die_on_second_rename(src, dst):
+        if not Path(dst).name.startswith("."):  # the rename of the new dataset into place
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", die_on_second_rename)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["corpus", "--tokenizer", "bpe:280"])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not Path("data/corpus").exists() and Path("data/.corpus.old/meta.json").read_text() == before
+    monkeypatch.setattr(prepare, "write_bin", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):  # the next run puts the old dataset back before anything else
+        prepare.main(["corpus", "--tokenizer", "bpe:280"])
+    assert Path("data/corpus/meta.json").read_text() == before and not Path("data/.corpus.old").exists()
+
+
+def _prepare_forever():
+    """A child process: prepare the same dataset again and again, each rename slowed down so that random
+    kills land inside the swap as well as in tokenizing and writing."""
+    real_replace = os.replace
+
+    def slow_replace(src, dst):
+        time.sleep(0.02)
+        real_replace(src, dst)
+        time.sleep(0.02)
+    os.replace = slow_replace
+    sys.stdout = sys.stderr = open(os.devnull, "w")
+    for i in range(10 ** 6):
+        prepare.main(["corpus", "--tokenizer", f"bpe:{280 + i % 2 * 20}"])
+
+
+def test_sigkill_at_random_moments_leaves_a_loadable_dataset(txt_corpus):
+    """Fault injection: a process preparing data/corpus over and over is SIGKILLed at random moments; after each
+    kill data/corpus is complete (old or new), or complete aside and put back by the next run. The source and
+    another dataset are never touched."""
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--name", "other"])
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    untouched = {p: p.read_bytes() for d in ("corpus", "data/other") for p in Path(d).iterdir()}
+    rng, fork = random.Random(0), multiprocessing.get_context("fork")
+    for _ in range(8):
+        child = fork.Process(target=_prepare_forever)
+        child.start()
+        time.sleep(rng.uniform(0.05, 0.6))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        meta = Path("data/corpus/meta.json")
+        aside = Path("data/.corpus.old/meta.json")
+        assert meta.is_file() or (aside.is_file() and not Path("data/corpus").exists())
+        whole = Path("data/corpus") if meta.is_file() else Path("data/.corpus.old")
+        m = json.loads((whole / "meta.json").read_text())
+        assert os.path.getsize(whole / "train.bin") == m["train_tokens"] * 2  # uint16: complete, not cut
+        assert {p: p.read_bytes() for p in untouched} == untouched
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])  # recovers whatever state the last kill left
+    assert read_dataset("corpus")[0]["vocab_size"] == 300
+    assert not Path("data/.corpus.old").exists() and not Path("data/.corpus.tmp").exists()
+
+
+def test_tokenizer_fingerprint_refuses_another_tokenizer(txt_corpus, capsys):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    meta = read_dataset("corpus")[0]
+    ckpt = {"config": {"dataset_meta": dict(meta)}, "model_args": {"vocab_size": 300}}
+    capsys.readouterr()
+    assert prepare.open_dataset("corpus", ckpt, "out/ckpt.pt")[1] == meta
+    assert capsys.readouterr().out == ""  # same data: no note
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--max_tokens", "400"])  # same tokenizer, other data
+    capsys.readouterr()
+    prepare.open_dataset("corpus", ckpt, "out/ckpt.pt")
+    assert "note: data/corpus holds other data" in capsys.readouterr().out
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--val_fraction", "0.3"])  # another BPE, same size
+    new = read_dataset("corpus")[0]
+    assert new["vocab_size"] == 300 and new["tokenizer_sha256"] != meta["tokenizer_sha256"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        prepare.open_dataset("corpus", ckpt, "out/ckpt.pt")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert meta["tokenizer_sha256"] in err and new["tokenizer_sha256"] in err and "out/ckpt.pt" in err
+    # a checkpoint from before fingerprints: only what both record (the vocabulary size) is compared
+    old = {"config": {"dataset_meta": {"vocab_size": 300}}, "model_args": {"vocab_size": 300}}
+    prepare.open_dataset("corpus", old, "old/ckpt.pt")
+    with pytest.raises(SystemExit):
+        prepare.open_dataset("corpus", old | {"model_args": {"vocab_size": 301}}, "old/ckpt.pt")
+
+
+def test_downloaded_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys):
+    """No network: an unreachable proxy for tiktoken's download, the hub's offline mode for SmolLM2's; both
+    with empty caches. Each is one line saying what is needed."""
+    import huggingface_hub.constants
+    import tiktoken.registry
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # refuses connections: fails at once
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # nothing loaded earlier in this process
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for spec in ("gpt2", "smollm2"):
+        with pytest.raises(SystemExit) as e:
+            prepare.main(["corpus", "--tokenizer", spec])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert "needs network access" in err and "tokenizer.json" in err
+    assert not Path("data/corpus").exists()
+
+
+def test_fineweb_sample_holds_what_is_asked():
+    assert prepare.fineweb_sample(None) == "sample-10BT"  # no cap: the whole 10B sample, as before
+    assert prepare.fineweb_sample(100_000_000) == "sample-10BT"
+    assert prepare.fineweb_sample(9 * 10 ** 9) == "sample-10BT"
+    assert prepare.fineweb_sample(13_000_000_000) == "sample-100BT"  # S1's prepare (README)
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_dataset(txt_corpus, monkeypatch, capsys):
+    import configurator
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    before = Path("data/corpus/train.bin").read_bytes()
+    monkeypatch.setattr(prepare, "write_bin", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(sys, "argv", ["prepare.py", "corpus", "--tokenizer", "bpe:280"])
+    with pytest.raises(SystemExit) as e:
+        configurator.run(prepare.main)
+    assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
+    assert Path("data/corpus/train.bin").read_bytes() == before

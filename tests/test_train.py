@@ -1,7 +1,12 @@
 import json
+import multiprocessing
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +166,149 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_data):
     assert run.stdout.count("iter 3:") == 1  # only rank 0 logs
     model, ckpt = load_checkpoint("ddp/ckpt.pt")
     assert ckpt["iter_num"] == 4 and len(ckpt["rng"]["data"]) == 2
+
+
+# ----------------------------------------------------------------------------- issue 12: nothing is lost
+
+def one_line_error(capsys, fn, *args):
+    """Run fn(*args), expect exit 2 with exactly one line on stderr; return that line."""
+    with pytest.raises(SystemExit) as err:
+        fn(*args)
+    text = capsys.readouterr().err
+    assert err.value.code == 2 and text.count("\n") == 1 and text.startswith("error: "), text
+    return text
+
+
+def test_scratch_run_never_overwrites_a_checkpoint(tiny_data, capsys):
+    train.main(TINY + ["--max_iters=3", "--eval_interval=3", "--out_dir=o"])
+    before = Path("o/ckpt.pt").read_bytes()
+    err = one_line_error(capsys, train.main, TINY + ["--max_iters=1", "--out_dir=o"])
+    assert "step 3" in err and "--init_from=resume" in err and "--overwrite_checkpoint=True" in err
+    assert Path("o/ckpt.pt").read_bytes() == before
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--overwrite_checkpoint=True"])
+    assert torch.load("o/ckpt.pt", weights_only=True)["iter_num"] == 1
+
+
+def test_diverged_model_is_never_saved(tiny_data, capsys):
+    """The issue's reproduction: resume a trained tiny model at a learning rate that makes it diverge."""
+    train.main(TINY + ["--max_iters=4", "--eval_interval=4", "--out_dir=o"])
+    before = Path("o/ckpt.pt").read_bytes()
+    with pytest.raises(SystemExit):  # the non-finite guard ends it
+        train.main(TINY + ["--out_dir=o", "--init_from=resume", "--max_iters=80", "--eval_interval=3",
+                           "--eval_iters=1", "--learning_rate=1e6", "--min_lr=1e6", "--grad_clip=0"])
+    assert "non-finite val loss or weights, not saved" in capsys.readouterr().out
+    assert Path("o/ckpt.pt").read_bytes() == before
+    model, _ = load_checkpoint("o/ckpt.pt")
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_resume_keeps_the_checkpoints_model_and_says_so(tiny_data, capsys):
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])  # block 16, mean 2, max 4, bptt 1
+    # a value given on the command line or in a config file that differs from the checkpoint's is an error
+    for flag, saved in (("--block_size=32", "block_size=16"), ("--mean_loops=3", "mean_loops=2"),
+                        ("--max_loops=8", "max_loops=4"), ("--bptt_k=2", "bptt_k=1"), ("--n_embd=64", "n_embd=32")):
+        err = one_line_error(capsys, train.main, TINY + ["--out_dir=o", "--init_from=resume", flag])
+        assert flag[2:] in err and saved in err
+    Path("cfg.py").write_text("n_head = 4\n")
+    assert "n_head=2" in one_line_error(capsys, train.main, ["cfg.py", "--out_dir=o", "--init_from=resume"])
+    # nothing given: the checkpoint's model and dataset, whatever the defaults, and the saved config says so
+    hist = train.main(["--init_from=resume", "--out_dir=o", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
+                       "--batch_size=2", "--compile=False", "--peak_flops=1e9"])
+    assert [h[0] for h in hist] == [2, 3] and max(h[1] for h in hist) <= 4
+    ckpt = torch.load("o/ckpt.pt", weights_only=True)
+    assert ckpt["iter_num"] == 4 and ckpt["config"]["dataset"] == "tiny"
+    for key in train.MODEL_KEYS:
+        assert ckpt["config"][key] == ckpt["model_args"][key]
+    assert (ckpt["config"]["block_size"], ckpt["config"]["mean_loops"], ckpt["config"]["bptt_k"]) == (16, 2, 1)
+
+
+@pytest.mark.parametrize("key", ["eval_iters", "eval_interval", "log_interval", "batch_size",
+                                 "gradient_accumulation_steps", "learning_rate"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_non_positive_settings_are_refused(tiny_data, capsys, key, value):
+    err = one_line_error(capsys, train.main, TINY + [f"--{key}={value}", "--out_dir=o"])
+    assert f"--{key} must be > 0, got {value}" in err
+    assert not Path("o").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n_embd=30", "--n_head=4"], "--n_head=4 must divide --n_embd=30"),
+    (["--n_head=4", "--n_kv_head=3"], "--n_kv_head=3 must divide --n_head=4"),
+    (["--n_embd=24", "--n_head=8"], "head size n_embd / n_head = 3 must be even"),
+])
+def test_bad_model_shape_is_one_line(tiny_data, capsys, flags, message):
+    assert message in one_line_error(capsys, train.main, TINY + flags)
+
+
+def test_config_file_errors_name_file_and_line(tiny_data, capsys):
+    Path("syntax.py").write_text("max_iters = 3\nlearning_rate = (1e-3\n")
+    Path("runtime.py").write_text("max_iters = 3\nbatch_size = 8 // 0\n")
+    assert "syntax.py:2: SyntaxError" in one_line_error(capsys, train.main, ["syntax.py"])
+    assert "runtime.py:2: ZeroDivisionError" in one_line_error(capsys, train.main, ["runtime.py"])
+
+
+def test_cuda_without_a_gpu_is_one_line(tiny_data, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "no CUDA GPU" in one_line_error(capsys, train.main, TINY + ["--device=cuda"])
+
+
+def test_wandb_missing_or_present(tiny_data, monkeypatch, capsys):
+    """wandb is not a requirement, and its offline mode starts a background service: a stub module records the
+    calls instead (their arguments are wandb's documented ones)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails as if not installed
+    assert "pip install wandb" in one_line_error(capsys, train.main, TINY + ["--wandb_log=True"])
+    calls = []
+    stub = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)), log=lambda d: calls.append(("log", d)))
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    train.main(TINY + ["--wandb_log=True", "--max_iters=2", "--eval_interval=2", "--out_dir=w"])
+    assert calls[0][0] == "init" and calls[0][1]["project"] == "nanoloop" and calls[0][1]["config"]["max_iters"] == 2
+    logged = [d for name, d in calls if name == "log"]
+    assert {"iter", "train/loss", "val/loss", "lr"} <= set(logged[0]) and any("train/step_loss" in d for d in logged)
+
+
+def test_matmul_ceiling_takes_seconds_even_in_bf16_on_cpu():
+    t0 = time.perf_counter()
+    flops = train.measure_matmul_flops("cpu", torch.bfloat16)
+    assert flops > 0 and time.perf_counter() - t0 < 20  # was ~100 s: six 2048^2 bf16 matmuls on this CPU
+
+
+def _save_forever(path):
+    """A child process: save a 4 MB checkpoint again and again, each one consistent in itself."""
+    for i in range(10 ** 6):
+        train.save_checkpoint({"format": "nanoloop-1", "iter_num": i, "model": {"w": torch.full((1 << 20,), float(i))}},
+                              path)
+
+
+def test_sigkill_during_repeated_saves_keeps_a_loadable_checkpoint(tmp_path):
+    """Fault injection: SIGKILL at random moments while a process saves over and over; the checkpoint is always
+    a whole one (the old or a new one), never a torn write."""
+    path = str(tmp_path / "ckpt.pt")
+    train.save_checkpoint({"format": "nanoloop-1", "iter_num": -1, "model": {"w": torch.full((1 << 20,), -1.0)}}, path)
+    rng, fork = random.Random(0), multiprocessing.get_context("fork")
+    seen = set()
+    for _ in range(10):
+        child = fork.Process(target=_save_forever, args=(path,))
+        child.start()
+        time.sleep(rng.uniform(0.02, 0.3))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        ckpt = torch.load(path, weights_only=True)
+        assert bool((ckpt["model"]["w"] == ckpt["iter_num"]).all())
+        seen.add(ckpt["iter_num"])
+    assert len(seen) > 1  # the kills did land among the saves
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data):
+    """A real SIGINT to `python train.py`, after its first checkpoint."""
+    argv = TINY + ["--max_iters=100000", "--eval_interval=3", "--out_dir=o"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while not Path("o/ckpt.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert load_checkpoint("o/ckpt.pt")[1]["iter_num"] >= 3
