@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from configurator import configure, die
+from configurator import check_device, configure, default_device, die, require_positive, run
 from evaluate import load_windows, markdown, token_loss, trace
 from model import MIN_EXIT_LOOP, default_r_max, exit_score, load_checkpoint
+from prepare import open_dataset
 
 # ---- defaults --------------------------------------------------------------------------
 out_dir = "out-shakespeare"  # reads out_dir/ckpt.pt, writes out_dir/allocate.json (+ .png)
@@ -49,8 +50,7 @@ timing_reps = 3  # timed rounds; each configuration keeps its median
 bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337
 plot = False
-device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+device, dtype = default_device()  # cuda + bfloat16 when a GPU is there, else cpu + float32
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state exit", "A2": "A2 router"}
 CRITERION = {"A1": "kl", "A1s": "state", "A2": "probe"}
@@ -343,11 +343,11 @@ def time_policies(model, X, Y, C, r_max, grids, probe):
     speeds = {}
     for batch in (1, C.batch_size):
         times = [[] for _ in configs]
-        for _, run in configs:
-            run(Xt[:batch])  # warm-up
+        for _, policy in configs:
+            policy(Xt[:batch])  # warm-up
         for _ in tqdm(range(C.timing_reps), desc=f"timing at batch {batch}", file=sys.stderr):
-            for i, (_, run) in enumerate(configs):
-                times[i].append(seconds(run, Xt, batch, C.device))
+            for i, (_, policy) in enumerate(configs):
+                times[i].append(seconds(policy, Xt, batch, C.device))
         speeds[batch] = {}
         for (key, _), t in zip(configs, times):
             speeds[batch].setdefault(key, []).append(Xt.numel() / statistics.median(t))
@@ -448,26 +448,21 @@ def plot_curves(res, path):
 
 def main(argv=()):
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
-    for key in ("windows", "batch_size", "timing_windows", "timing_reps", "probe_steps", "bootstrap"):
-        if getattr(C, key) < 1:
-            die(f"--{key} must be >= 1, got {getattr(C, key)}")
+    check_device(C.device, C.dtype)
+    require_positive(C, "windows", "batch_size", "timing_windows", "timing_reps", "probe_steps", "bootstrap")
     if C.train_windows < 2:
         die(f"--train_windows must be >= 2 (20% are held out), got {C.train_windows}")
     if C.n_grid < 2:
         die(f"--n_grid must be >= 2, got {C.n_grid}")
     if C.harness not in ("realized", "masked"):
         die(f"--harness must be realized or masked, got {C.harness!r}")
-    model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
+    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
+    model, ckpt = load_checkpoint(ckpt_path, C.device)
     mean = model.config.mean_loops
     r_max = C.r_max or default_r_max(model.config)
     if r_max < max(MIN_EXIT_LOOP, mean):
         die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean}): the bar is uniform r = mean_loops")
-    data_dir = os.path.join("data", ckpt["config"]["dataset"])
-    for name in ("meta.json", "val.bin", "train.bin"):
-        if not os.path.isfile(os.path.join(data_dir, name)):
-            die(f"{C.out_dir}/ckpt.pt was trained on {data_dir}/, which has no {name}: run prepare.py for it")
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
+    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
     block = model.config.block_size
     wins = load_windows(os.path.join(data_dir, "val.bin"), meta["dtype"], C.windows, block + 1, C.seed).to(C.device)
     X, Y = wins[:, :-1], wins[:, 1:].contiguous()
@@ -514,4 +509,4 @@ def main(argv=()):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main)

@@ -1,5 +1,6 @@
 """
-Training throughput against the machine's measured ceiling and a dense baseline.
+Training throughput against the machine's measured ceiling and a dense baseline; and, for
+`python sample.py --bench`, generation throughput against the uniform-depth frontier.
 
     python bench.py                                   # the CPU default model (train.py's defaults)
     python bench.py config/s1.py --compile=True --dtype=bfloat16 --bench_steps=100
@@ -11,18 +12,23 @@ compute, not data loading. Medians over rounds; a markdown table, and everything
 """
 import json
 import os
+import platform
 import statistics
 import time
 from contextlib import nullcontext
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train
+from allocate import estimate, frontier, iso_loss_speedup, show, speedup_at
 from configurator import check_device, check_model, configure, die, require_positive, run
+from evaluate import markdown
 from model import GPT, GPTConfig
+from sample import generate, initial_states
 
 # ---- bench-only defaults (train.py's defaults and config files apply as well) -----------
 warmup_steps = 2  # untimed steps per model at the sequence's deepest depth (compiles happen here)
@@ -33,6 +39,7 @@ matmul_n = 0  # side of the ceiling's square matmul; 0: 2048 on CPU, 8192 on CUD
 compile_backend = "inductor"  # for compile=True ('eager' checks the recompile count in seconds)
 profile_rows = 12  # top ops by self time of one profiled recurrent step; 0: no profile
 bench_json = "bench.json"
+GENERATION_BATCHES = (1, 8, 32)  # sample.py --bench
 BENCH_DEFAULTS = {k: globals()[k] for k in ("warmup_steps", "bench_steps", "rounds", "vocab_size", "matmul_n",
                                             "compile_backend", "profile_rows", "bench_json")}
 
@@ -185,26 +192,26 @@ def main(argv=()):
         for part in parts if C.compile else ():  # per part, as train.py: the depth loop stays outside the graphs
             part.compile(backend=C.compile_backend)
     counters = torch._dynamo.utils.counters
-    for run in runs.values():  # warm-up at the deepest depth: the core's grad and no-grad graphs both
+    for model_run in runs.values():  # warm-up at the deepest depth: the core's grad and no-grad graphs both
         graphs0, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
-        run.step(0, max(run.depths))
+        model_run.step(0, max(model_run.depths))
         sync()
-        run.first_step_s = time.perf_counter() - t0  # with compile=True: mostly compile time
+        model_run.first_step_s = time.perf_counter() - t0  # with compile=True: mostly compile time
         for _ in range(C.warmup_steps - 1):
-            run.step(0, max(run.depths))
-        run.graphs = counters["stats"]["unique_graphs"] - graphs0
+            model_run.step(0, max(model_run.depths))
+        model_run.graphs = counters["stats"]["unique_graphs"] - graphs0
     frames0, ceilings = counters["frames"]["total"], []  # dynamo compiles a frame once per (re)compile
     for _ in range(C.rounds):
         ceilings.append(train.measure_matmul_flops(C.device, ptdtype, matmul_n))
-        for run in runs.values():
+        for model_run in runs.values():
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             resident, t0 = torch.cuda.memory_allocated() if cuda else 0, time.perf_counter()
-            for i, r in enumerate(run.depths):
-                run.step(i, r)
+            for i, r in enumerate(model_run.depths):
+                model_run.step(i, r)
             sync()
-            run.times.append(time.perf_counter() - t0)
-            run.peaks.append(torch.cuda.max_memory_allocated() - resident if cuda else None)
+            model_run.times.append(time.perf_counter() - t0)
+            model_run.peaks.append(torch.cuda.max_memory_allocated() - resident if cuda else None)
 
     ceiling = statistics.median(ceilings)
     out = {"command": " ".join(["python bench.py", *argv]), "date": time.strftime("%Y-%m-%d"),
@@ -214,17 +221,17 @@ def main(argv=()):
            "dense_layers": dense.config.n_prelude, "dense_block_fwd_flops": block_fwd,
            "flop_formula": flop_formula(rec, C.mean_loops, min(C.mean_loops, C.bptt_k), T),
            "recompiles_during_timed_steps": counters["frames"]["total"] - frames0 if C.compile else None}
-    for name, run in runs.items():
-        rates = [sum(run.flops) / t for t in run.times]
-        unused = run.model.core.adapter.weight.numel() if name == "dense" else 0  # the twin's idle adapter
-        out[name] = {"params": run.model.get_num_params(False) - unused,
-                     "fwd_flops_per_token": fwd_flops(run.model, C.mean_loops if name == "recurrent" else 0, T),
-                     "train_flops_per_token": sum(run.flops) / tokens / len(run.flops),
-                     "tokens_per_s": statistics.median(tokens * len(run.flops) / t for t in run.times),
+    for name, model_run in runs.items():
+        rates = [sum(model_run.flops) / t for t in model_run.times]
+        unused = model_run.model.core.adapter.weight.numel() if name == "dense" else 0  # the twin's idle adapter
+        out[name] = {"params": model_run.model.get_num_params(False) - unused,
+                     "fwd_flops_per_token": fwd_flops(model_run.model, C.mean_loops if name == "recurrent" else 0, T),
+                     "train_flops_per_token": sum(model_run.flops) / tokens / len(model_run.flops),
+                     "tokens_per_s": statistics.median(tokens * len(model_run.flops) / t for t in model_run.times),
                      "flops_per_s": statistics.median(rates), "mfu": statistics.median(rates) / ceiling,
-                     "round_flops_per_s": rates, "first_step_s": run.first_step_s, "graphs_compiled": run.graphs,
-                     "step_s": statistics.median(run.times) / len(run.flops), "activation_bytes": run.activation_bytes,
-                     "peak_step_bytes": max(run.peaks) if cuda else None}
+                     "round_flops_per_s": rates, "first_step_s": model_run.first_step_s, "graphs_compiled": model_run.graphs,
+                     "step_s": statistics.median(model_run.times) / len(model_run.flops), "activation_bytes": model_run.activation_bytes,
+                     "peak_step_bytes": max(model_run.peaks) if cuda else None}
     out["ratio_flops_per_s"] = statistics.median(a / b for a, b in zip(out["recurrent"]["round_flops_per_s"],
                                                                        out["dense"]["round_flops_per_s"]))
     if C.profile_rows:
@@ -262,6 +269,115 @@ def print_report(out, C):
         print(f"\nwhere the time goes (one recurrent step at r={C.mean_loops}, self time):", "| op | ms | % | calls |",
               "|---|---|---|---|", *rows, sep="\n")
     print(f"\nwrote {C.bench_json}")
+
+
+
+# ---- generation against the uniform frontier: sample.py --bench -----------------------------
+def bench_configs(alloc):
+    """(policy, index, exit, threshold, loops) for uniform r = 1..r_max and allocate.py's A1 and A1s grids."""
+    configs = [("A0", r - 1, "none", 0.0, r) for r in range(1, alloc["r_max"] + 1)]
+    for key, exit in (("A1", "kl"), ("A1s", "state")):
+        for i, point in enumerate(alloc["curves"][key]):
+            configs.append((key, i, exit, point["threshold"], alloc["mean_loops"]))
+    return configs
+
+
+def generation_bench(model, C, data_dir, meta, ckpt):
+    """Greedy generation tokens/s at batch 1, 8 and 32 for uniform r = 1..r_max and every A1/A1s
+    threshold, zero init: prompts of bench_tokens tokens from val.bin, bench_tokens new tokens each,
+    decode time only (the prompt is prefilled at mean_loops for the thresholds, at r for uniform r).
+    Every configuration runs once per round, for 3 rounds; each keeps its median. A policy's loss is
+    its teacher-forced loss from out_dir/allocate.json (same r_max, init and K/V rule), so a speedup
+    is read against the uniform frontier at the same loss, with its bootstrap interval."""
+    path = os.path.join(C.out_dir, "allocate.json")
+    if not os.path.isfile(path):
+        die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first (the bench reads the losses from it)")
+    with open(path) as f:
+        alloc = json.load(f)
+    if alloc["checkpoint"]["iter_num"] != ckpt["iter_num"]:
+        die(f"{path} is from iter {alloc['checkpoint']['iter_num']}, the checkpoint from {ckpt['iter_num']}: rerun it")
+    P = N = C.bench_tokens
+    if P + N > model.config.block_size:
+        die(f"--bench_tokens {P}: a prompt and its new tokens must fit block_size {model.config.block_size}")
+    val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")
+    if len(val) < P:
+        die(f"{data_dir}/val.bin has {len(val)} tokens, fewer than one {P}-token prompt")
+    starts = np.linspace(0, len(val) - P, max(GENERATION_BATCHES)).astype(int)  # spread over val, one per sequence
+    prompts = torch.stack([torch.from_numpy(val[i:i + P].astype(np.int64)) for i in starts])
+    greedy = lambda logits, seqs: logits.argmax(-1)  # noqa: E731
+    sync = torch.cuda.synchronize if C.device.startswith("cuda") else (lambda: None)
+    configs = bench_configs(alloc)
+    pw = {key: (np.array(loss), np.array(depth)) for key, (loss, depth) in alloc["per_window"].items()}
+    print(f"benchmark: greedy, zero init, {P}-token prompts from val.bin + {N} new tokens per sequence, decode "
+          f"tokens/s, median of 3 rounds; {platform.processor() or platform.machine()}, {C.device}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    res = {"args": vars(C), "prompt_tokens": P, "new_tokens": N, "batches": {}}
+    alone = {}  # (policy, index) -> the first sequence's tokens at batch 1
+    for batch in GENERATION_BATCHES:
+        idx = prompts[:batch].to(C.device)
+        s0 = initial_states(model, batch, P + N, "zero", C.seed, C.device)
+        times, outs = {}, {}
+        for rnd in range(3):
+            for key, i, exit, threshold, loops in configs:
+                sync()
+                out, depths, seconds = generate(model, idx, N, loops, s0, greedy, exit, threshold, alloc["r_max"])
+                sync()
+                times.setdefault((key, i), []).append(seconds)
+                outs[(key, i)] = (out[:, P:], depths)
+        reference = outs[("A0", alloc["mean_loops"] - 1)][0]
+        speeds = {k: batch * (N - 1) / float(np.median(t)) for k, t in times.items()}  # N - 1 fed back per sequence
+        uniform_speeds = [speeds[("A0", r)] for r in range(alloc["r_max"])]
+        front = frontier(zip([p["loss"] for p in alloc["curves"]["A0"]], uniform_speeds))
+        rows = []
+        for key, i, exit, threshold, loops in configs:
+            tokens, depths = outs[(key, i)]
+            loss = alloc["curves"][key][i]["loss"]
+            if batch == 1:
+                alone[(key, i)] = tokens[0]
+            row = {"policy": key, "setting": f"r={loops}" if key == "A0" else f"{threshold:.3g}",
+                   "loops_per_token": float(np.mean([d for seq in depths for d in seq])), "loss": loss,
+                   "tokens_per_s": speeds[(key, i)], "equal_to_uniform_mean": int((tokens == reference).sum()),
+                   "first_equal_to_batch_1": int((tokens[0] == alone[(key, i)]).sum())}
+            if key != "A0":
+                row["speedup"] = estimate(speedup_at, pw, 1000, C.seed, key=key, point=i,
+                                          uniform_speeds=uniform_speeds, speed=speeds[(key, i)])
+                row["where"] = iso_loss_speedup(front, loss, speeds[(key, i)])[1]
+            rows.append(row)
+        res["batches"][batch] = rows
+        print(f"\n## Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
+              f"of {batch * N}; first: the first sequence's tokens equal to its batch-1 run's, of {N})\n")
+        table = []
+        for r in rows:
+            speedup = ""
+            if "speedup" in r:
+                speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
+            table.append([r["policy"], r["setting"], f"{r['loops_per_token']:.2f}", f"{r['loss']:.4f}",
+                          f"{r['tokens_per_s']:,.1f}", speedup, r["equal_to_uniform_mean"], r["first_equal_to_batch_1"]])
+        print(markdown(["policy", "r / threshold", "loops/token", "teacher-forced loss", "tokens/s",
+                        "iso-loss speedup [95% CI]", "equal", "first"], table))
+    with open(os.path.join(C.out_dir, "sample_bench.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    if C.plot:
+        plot_bench(res, alloc, os.path.join(C.out_dir, "sample_bench.png"))
+    return res
+
+
+def plot_bench(res, alloc, path):
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(res["batches"]), figsize=(5.5 * len(res["batches"]), 4.2), squeeze=False)
+    for ax, (batch, rows) in zip(axes[0], res["batches"].items()):
+        for key, label in (("A0", "uniform frontier (r = 1..r_max)"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
+            points = sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key)
+            ax.plot(*zip(*points), "o-" if key == "A0" else ".--", label=label)
+        ax.set_xscale("log")
+        ax.set(xlabel="decode tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"Generation, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

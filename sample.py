@@ -13,22 +13,18 @@ token joins the following call at loop 1, so no sequence waits for the slowest. 
 block_size: when a sequence's context is full, its last block_size // 2 tokens are prefilled again at
 `loops` (a cost of block_size // 2 tokens x `loops` core loops every block_size // 2 new tokens).
 """
-import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from configurator import configure, die
-from evaluate import markdown
+from configurator import check_device, configure, default_device, die, require_positive, run
 from model import MIN_EXIT_LOOP, default_r_max, exit_score, load_checkpoint
-from prepare import load_tokenizer
+from prepare import load_tokenizer, open_dataset
 
 # ---- defaults ------------------------------------------------------------------------------
 out_dir = "out-shakespeare"
@@ -43,13 +39,12 @@ exit = "none"  # 'none' (fixed depth), 'kl' (KL(p_i || p_{i-1}) < threshold) or 
 exit_threshold = 1e-3
 r_max = 0  # adaptive mode's deepest loop; 0: 2 x mean_loops (allocate.py's default too)
 state_init = "noise"  # 'noise' (the training path) or 'zero' (allocate.py's, for the bench)
-device = "cuda" if torch.cuda.is_available() else "cpu"
+device = default_device()[0]  # cuda when a GPU is there, else cpu (float32 either way)
 compile = False
 bench = False  # tokens/s against the uniform frontier instead of sampling
 bench_tokens = 128  # bench: prompt length and new tokens per sequence
 plot = False  # bench: also write out_dir/sample_bench.png
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
-BENCH_BATCHES = (1, 8, 32)
 
 
 # ---- caches and the "latest" rule ------------------------------------------------------------
@@ -218,116 +213,6 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_m
     return g.out, depths, time.perf_counter() - t0
 
 
-# ---- the benchmark ---------------------------------------------------------------------------
-def bench_configs(alloc):
-    """(policy, index, exit, threshold, loops) for uniform r = 1..r_max and allocate.py's A1 and A1s grids."""
-    configs = [("A0", r - 1, "none", 0.0, r) for r in range(1, alloc["r_max"] + 1)]
-    for key, exit in (("A1", "kl"), ("A1s", "state")):
-        for i, point in enumerate(alloc["curves"][key]):
-            configs.append((key, i, exit, point["threshold"], alloc["mean_loops"]))
-    return configs
-
-
-def run_bench(model, C, data_dir, ckpt):
-    """Greedy generation tokens/s at batch 1, 8 and 32 for uniform r = 1..r_max and every A1/A1s
-    threshold, zero init: prompts of bench_tokens tokens from val.bin, bench_tokens new tokens each,
-    decode time only (the prompt is prefilled at mean_loops for the thresholds, at r for uniform r).
-    Every configuration runs once per round, for 3 rounds; each keeps its median. A policy's loss is
-    its teacher-forced loss from out_dir/allocate.json (same r_max, init and K/V rule), so a speedup
-    is read against the uniform frontier at the same loss, with its bootstrap interval."""
-    from allocate import estimate, frontier, iso_loss_speedup, show, speedup_at
-    path = os.path.join(C.out_dir, "allocate.json")
-    if not os.path.isfile(path):
-        die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first (the bench reads the losses from it)")
-    with open(path) as f:
-        alloc = json.load(f)
-    if alloc["checkpoint"]["iter_num"] != ckpt["iter_num"]:
-        die(f"{path} is from iter {alloc['checkpoint']['iter_num']}, the checkpoint from {ckpt['iter_num']}: rerun it")
-    meta = ckpt["config"]["dataset_meta"]
-    P = N = C.bench_tokens
-    if P + N > model.config.block_size:
-        die(f"--bench_tokens {P}: a prompt and its new tokens must fit block_size {model.config.block_size}")
-    val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")
-    if len(val) < P:
-        die(f"{data_dir}/val.bin has {len(val)} tokens, fewer than one {P}-token prompt")
-    starts = np.linspace(0, len(val) - P, max(BENCH_BATCHES)).astype(int)  # spread over val, one per sequence
-    prompts = torch.stack([torch.from_numpy(val[i:i + P].astype(np.int64)) for i in starts])
-    greedy = lambda logits, seqs: logits.argmax(-1)  # noqa: E731
-    sync = torch.cuda.synchronize if C.device.startswith("cuda") else (lambda: None)
-    configs = bench_configs(alloc)
-    pw = {key: (np.array(loss), np.array(depth)) for key, (loss, depth) in alloc["per_window"].items()}
-    print(f"benchmark: greedy, zero init, {P}-token prompts from val.bin + {N} new tokens per sequence, decode "
-          f"tokens/s, median of 3 rounds; {platform.processor() or platform.machine()}, {C.device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    res = {"args": vars(C), "prompt_tokens": P, "new_tokens": N, "batches": {}}
-    alone = {}  # (policy, index) -> the first sequence's tokens at batch 1
-    for batch in BENCH_BATCHES:
-        idx = prompts[:batch].to(C.device)
-        s0 = initial_states(model, batch, P + N, "zero", C.seed, C.device)
-        times, outs = {}, {}
-        for rnd in range(3):
-            for key, i, exit, threshold, loops in configs:
-                sync()
-                out, depths, seconds = generate(model, idx, N, loops, s0, greedy, exit, threshold, alloc["r_max"])
-                sync()
-                times.setdefault((key, i), []).append(seconds)
-                outs[(key, i)] = (out[:, P:], depths)
-        reference = outs[("A0", alloc["mean_loops"] - 1)][0]
-        speeds = {k: batch * (N - 1) / float(np.median(t)) for k, t in times.items()}  # N - 1 fed back per sequence
-        uniform_speeds = [speeds[("A0", r)] for r in range(alloc["r_max"])]
-        front = frontier(zip([p["loss"] for p in alloc["curves"]["A0"]], uniform_speeds))
-        rows = []
-        for key, i, exit, threshold, loops in configs:
-            tokens, depths = outs[(key, i)]
-            loss = alloc["curves"][key][i]["loss"]
-            if batch == 1:
-                alone[(key, i)] = tokens[0]
-            row = {"policy": key, "setting": f"r={loops}" if key == "A0" else f"{threshold:.3g}",
-                   "loops_per_token": float(np.mean([d for seq in depths for d in seq])), "loss": loss,
-                   "tokens_per_s": speeds[(key, i)], "equal_to_uniform_mean": int((tokens == reference).sum()),
-                   "first_equal_to_batch_1": int((tokens[0] == alone[(key, i)]).sum())}
-            if key != "A0":
-                row["speedup"] = estimate(speedup_at, pw, 1000, C.seed, key=key, point=i,
-                                          uniform_speeds=uniform_speeds, speed=speeds[(key, i)])
-                row["where"] = iso_loss_speedup(front, loss, speeds[(key, i)])[1]
-            rows.append(row)
-        res["batches"][batch] = rows
-        print(f"\n## Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
-              f"of {batch * N}; first: the first sequence's tokens equal to its batch-1 run's, of {N})\n")
-        table = []
-        for r in rows:
-            speedup = ""
-            if "speedup" in r:
-                speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
-            table.append([r["policy"], r["setting"], f"{r['loops_per_token']:.2f}", f"{r['loss']:.4f}",
-                          f"{r['tokens_per_s']:,.1f}", speedup, r["equal_to_uniform_mean"], r["first_equal_to_batch_1"]])
-        print(markdown(["policy", "r / threshold", "loops/token", "teacher-forced loss", "tokens/s",
-                        "iso-loss speedup [95% CI]", "equal", "first"], table))
-    with open(os.path.join(C.out_dir, "sample_bench.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    if C.plot:
-        plot_bench(res, alloc, os.path.join(C.out_dir, "sample_bench.png"))
-    return res
-
-
-def plot_bench(res, alloc, path):
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(res["batches"]), figsize=(5.5 * len(res["batches"]), 4.2), squeeze=False)
-    for ax, (batch, rows) in zip(axes[0], res["batches"].items()):
-        for key, label in (("A0", "uniform frontier (r = 1..r_max)"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
-            points = sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key)
-            ax.plot(*zip(*points), "o-" if key == "A0" else ".--", label=label)
-        ax.set_xscale("log")
-        ax.set(xlabel="decode tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"Generation, batch {batch}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 # ---- the command line --------------------------------------------------------------------------
 def prompt_ids(text, encode, decode):
     if text.startswith("FILE:"):
@@ -358,22 +243,18 @@ def stream(decode, ids, shown):
 
 def validate(C, cfg):
     """-> (loops, r_max) with the checkpoint's defaults filled in; one message per broken rule."""
-    loops = C.loops or cfg.mean_loops
-    r_max = C.r_max or default_r_max(cfg)
-    for name, value, least in (("loops", C.loops, 0), ("r_max", C.r_max, 0), ("num_samples", C.num_samples, 1),
-                               ("max_new_tokens", C.max_new_tokens, 1), ("top_k", C.top_k, 0),
-                               ("bench_tokens", C.bench_tokens, 1)):
-        if value < least:
-            die(f"--{name} must be >= {least}, got {value}")
-    if C.temperature < 0 or C.exit_threshold < 0:
-        die(f"--temperature and --exit_threshold must be >= 0, got {C.temperature} and {C.exit_threshold}")
+    require_positive(C, "num_samples", "max_new_tokens", "bench_tokens")
+    for key in ("loops", "r_max", "top_k", "temperature", "exit_threshold"):
+        if getattr(C, key) < 0:
+            die(f"--{key} must be >= 0, got {getattr(C, key)}")
     if C.exit not in ("none", "kl", "state"):
         die(f"--exit must be none, kl or state, got {C.exit!r}")
     if C.state_init not in ("noise", "zero"):
         die(f"--state_init must be noise or zero, got {C.state_init!r}")
+    r_max = C.r_max or default_r_max(cfg)
     if C.exit != "none" and r_max < MIN_EXIT_LOOP:
         die(f"--r_max {r_max}: an exit compares two loops, so adaptive depth needs r_max >= {MIN_EXIT_LOOP}")
-    return loops, r_max
+    return C.loops or cfg.mean_loops, r_max
 
 
 def pickers(C, n):
@@ -384,17 +265,18 @@ def pickers(C, n):
 
 def main(argv=()):
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
-    if C.device.startswith("cuda") and not torch.cuda.is_available():
-        die(f"--device {C.device}: CUDA is not available here")
-    model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
+    check_device(C.device)
+    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
+    model, ckpt = load_checkpoint(ckpt_path, C.device)
     loops, r_max = validate(C, model.config)
-    data_dir = os.path.join("data", ckpt["config"]["dataset"])
+    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path, splits=("val",) if C.bench else ())
     encode, decode = load_tokenizer(data_dir)
     if C.compile:  # per part, as train.py does; dynamic: the cached key length grows every token
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(dynamic=True)
-    if C.bench:
-        return run_bench(model, C, data_dir, ckpt)
+    if C.bench:  # the benchmark lives with the others, in bench.py
+        from bench import generation_bench
+        return generation_bench(model, C, data_dir, meta, ckpt)
     ids = prompt_ids(C.start, encode, decode)
     n = C.num_samples
     idx = torch.tensor([ids] * n, device=C.device)
@@ -425,4 +307,4 @@ def main(argv=()):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run(main)

@@ -280,7 +280,8 @@ def test_bench_against_the_frontier_computes_every_column(tiny, capsys, monkeypa
         out, depths, seconds = real_generate(model, idx, n_new, 2, s0, pick)
         out[:, -1] = (out[:, -1] + 1) % model.config.vocab_size
         return out, depths, seconds
-    monkeypatch.setattr(sample, "generate", altered)
+    import bench
+    monkeypatch.setattr(bench, "generate", altered)
     res = sample.main(["--out_dir=out", "--bench", "--device=cpu", "--bench_tokens=16"])
     assert set(res["batches"]) == {1, 8, 32}
     for batch, rows in res["batches"].items():
