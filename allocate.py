@@ -19,7 +19,6 @@ the windows. Prints markdown; writes out_dir/allocate.json (and allocate.png wit
 """
 import json
 import os
-import statistics
 import sys
 import time
 from contextlib import nullcontext
@@ -54,11 +53,6 @@ device, dtype = default_device()  # cuda + bfloat16 when a GPU is there, else cp
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state exit", "A2": "A2 router"}
 CRITERION = {"A1": "kl", "A1s": "state", "A2": "probe"}
-
-
-def sync(device):
-    if device.startswith("cuda"):  # timings wait for the queued GPU work
-        torch.cuda.synchronize()
 
 
 # ---- the engines ---------------------------------------------------------------------------
@@ -230,32 +224,6 @@ def interp_loss(points, depth):
     return float(np.interp(depth, d, loss)) if d[0] <= depth <= d[-1] else None
 
 
-def frontier(points):
-    """The uniform frontier: of (loss, tokens/s) points, those no other point beats on both, by loss."""
-    best = []
-    for loss, speed in sorted(points, key=lambda p: (p[0], -p[1])):
-        if not best or speed > best[-1][1]:
-            best.append((loss, speed))
-    return best
-
-
-def iso_loss_speedup(front, loss, speed):
-    """speed / the frontier's tokens/s at `loss` (linear between the uniform depths around it), and
-    where `loss` lies: 'inside' the frontier, 'below' it (better than every uniform depth: the frontier
-    is read at its best point, so the speedup is a lower bound) or 'above' (worse than the fastest)."""
-    losses, speeds = zip(*front)
-    where = "below" if loss < losses[0] else "above" if loss > losses[-1] else "inside"
-    return speed / float(np.interp(loss, losses, speeds)), where
-
-
-def iso_speed_gain(front, loss, speed):
-    """The frontier's loss at `speed` minus `loss` (> 0: better than uniform depth); None outside its speeds."""
-    losses, speeds = zip(*front)
-    if not speeds[0] <= speed <= speeds[-1]:
-        return None
-    return float(np.interp(speed, speeds, losses)) - loss
-
-
 def bar_loss(pw, mean):
     return pw["A0"][0][mean - 1].mean()
 
@@ -274,13 +242,6 @@ def loss_delta(pw, key, depth):
     """The policy's loss minus A0's at a matched average depth."""
     a0, other = interp_loss(curve(pw, "A0"), depth), interp_loss(curve(pw, key), depth)
     return None if a0 is None or other is None else other - a0
-
-
-def speedup_at(pw, key, point, uniform_speeds, speed):
-    """Iso-loss speedup of one point of a policy that runs at `speed`, against uniform r = 1..r_max at
-    uniform_speeds; the speeds are measured once, the losses come from pw."""
-    front = frontier(zip(pw["A0"][0].mean(1), uniform_speeds))
-    return iso_loss_speedup(front, pw[key][0][point].mean(), speed)[0]
 
 
 def estimate(stat, pw, n_resamples, seed, **kwargs):
@@ -321,57 +282,6 @@ def sweep(model, X, Y, C, r_max, grids, probe):
     return pw
 
 
-def seconds(run, X, batch, device):
-    """Wall-clock of run(x) over X's windows, `batch` windows per call."""
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(0, len(X), batch):
-        run(X[i:i + batch])
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def time_policies(model, X, Y, C, r_max, grids, probe):
-    """tokens/s at batch 1 and batch_size of uniform r = 1..r_max (model.forward, the fastest uniform
-    path) and of every A1/A1s threshold (realized_exit), on the same timing windows: every configuration
-    once per round, round after round, each keeping its median. -> {batch: {policy: [tokens/s per point]}}"""
-    Xt, Yt = X[:C.timing_windows], Y[:C.timing_windows]
-    configs = [("A0", lambda x, r=r: model(x, loops=r, state_init="zero")) for r in range(1, r_max + 1)]
-    for key in ("A1", "A1s"):
-        for t in grids[key]:
-            configs.append((key, lambda x, t=t, k=key: realized_exit(model, x, Yt[:len(x)], r_max, CRITERION[k], t)))
-    speeds = {}
-    for batch in (1, C.batch_size):
-        times = [[] for _ in configs]
-        for _, policy in configs:
-            policy(Xt[:batch])  # warm-up
-        for _ in tqdm(range(C.timing_reps), desc=f"timing at batch {batch}", file=sys.stderr):
-            for i, (_, policy) in enumerate(configs):
-                times[i].append(seconds(policy, Xt, batch, C.device))
-        speeds[batch] = {}
-        for (key, _), t in zip(configs, times):
-            speeds[batch].setdefault(key, []).append(Xt.numel() / statistics.median(t))
-    return speeds
-
-
-def realized_rows(pw, curves, speeds, C):
-    """Per timed point: loops per token, loss, tokens/s, and for A1/A1s the iso-loss speedup (with its
-    interval) and the iso-throughput gain against the uniform frontier measured beside them."""
-    front = frontier(zip([p["loss"] for p in curves["A0"]], speeds["A0"]))
-    rows = []
-    for key, key_speeds in speeds.items():
-        for point, speed in enumerate(key_speeds):
-            row = {"policy": key, "setting": curves[key][point]["threshold"], "avg_depth": curves[key][point]["avg_depth"],
-                   "loss": curves[key][point]["loss"], "tokens_per_s": speed}
-            if key != "A0":
-                row["speedup"] = estimate(speedup_at, pw, C.bootstrap, C.seed, key=key, point=point,
-                                          uniform_speeds=speeds["A0"], speed=speed)
-                row["where"] = iso_loss_speedup(front, row["loss"], speed)[1]
-                row["gain"] = iso_speed_gain(front, row["loss"], speed)
-            rows.append(row)
-    return rows
-
-
 # ---- the report ------------------------------------------------------------------------------------
 def show(est, digits=4, sign="+", unit=""):
     """'value [low, high]' of an estimate; 'never' where it is undefined."""
@@ -385,62 +295,36 @@ def show(est, digits=4, sign="+", unit=""):
 
 
 def print_report(res):
-    m = res["mean_loops"]
     print(f"\n## Allocation at matched average depth ({res['harness']} harness, zero init, {res['windows']} windows, "
-          f"r_max {res['r_max']}); uniform r={m} quality bar = {res['bar']:.4f}\n")
+          f"r_max {res['r_max']}); uniform r={res['mean_loops']} quality bar = {res['bar']:.4f}\n")
     print("Each policy's loss minus A0's at the same average depth, paired bootstrap 95% interval over the windows; "
           "a difference whose interval contains 0 is no difference.\n")
     rows = []
     for row in res["table"]:
         cells = [f"{row['avg_depth']:g}", "-" if row["A0"] is None else f"{row['A0']:.4f}"]
-        cells += [show(row[k]) if row[k]["value"] is not None else "-" for k in ("A1", "A1s", "A2")]
+        for key in ("A1", "A1s", "A2"):
+            cells.append("-" if row[key]["value"] is None else show(row[key]))
         rows.append(cells)
     rows.append(["reaches the bar at", ""] + [show(res["depth_at_bar"][k], 2, "") for k in ("A1", "A1s", "A2")])
     rows.append(["loops saved at the bar", ""] + [show(res["saving_at_bar"][k], 3) for k in ("A1", "A1s", "A2")])
-    headers = ["avg depth", "A0 loss"] + [f"{POLICIES[k]} - A0" for k in ("A1", "A1s", "A2")]
-    print(markdown(headers, rows))
+    print(markdown(["avg depth", "A0 loss"] + [f"{POLICIES[k]} - A0" for k in ("A1", "A1s", "A2")], rows))
     print(f"\nA0 itself reaches the bar at {show(res['depth_at_bar']['A0'], 2, '')} loops: the savings above (the FLOP "
           f"proxy) count against that, not against mean_loops. A2 probe: held-out accuracy "
           f"{res['probe']['accuracy']:.3f} (majority class {res['probe']['majority']:.3f}).")
-    for batch, rows in res.get("realized", {}).items():
-        print(f"\n## Realized teacher-forced scoring at batch {batch}: the uniform frontier and each threshold\n")
-        table = []
-        for r in rows:
-            setting = f"r={r['setting']}" if r["policy"] == "A0" else f"{r['setting']:.3g}"
-            speedup = gain = ""
-            if r["policy"] != "A0":
-                speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
-                gain = "" if r["gain"] is None else f"{r['gain']:+.4f}"
-            table.append([POLICIES[r["policy"]], setting, f"{r['avg_depth']:.2f}", f"{r['loss']:.4f}",
-                          f"{r['tokens_per_s']:,.0f}", speedup, gain])
-        print(markdown(["policy", "r / threshold", "loops/token", "loss", "tokens/s", "iso-loss speedup [95% CI]",
-                        "iso-throughput gain (nats)"], table))
-    if res.get("realized"):
-        print(f"\ntokens/s on the first {res['args']['timing_windows']} windows, median of {res['args']['timing_reps']} "
-              f"rounds; losses on all {res['windows']}. ≥: better than every uniform depth (read at the best one).")
 
 
 def plot_curves(res, path):
     import matplotlib
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
-    panels = 1 + len(res.get("realized", {}))
-    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.4), squeeze=False)
-    ax = axes[0][0]
+    fig, ax = plt.subplots(figsize=(6.5, 4.4))
     for key, points in res["curves"].items():
         depth, loss = zip(*sorted((p["avg_depth"], p["loss"]) for p in points))
         ax.plot(depth, loss, "o-" if key == "A0" else ".-", label=POLICIES[key])
     ax.axhline(res["bar"], color="k", linestyle=":", label=f"uniform r={res['mean_loops']} quality")
     ax.set(xlabel="average loops per token", ylabel="loss (nats)", title=f"Allocation ({res['harness']} harness)")
-    for ax, (batch, rows) in zip(axes[0][1:], res.get("realized", {}).items()):
-        for key in ("A0", "A1", "A1s"):
-            speed, loss = zip(*sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key))
-            ax.plot(speed, loss, "o-" if key == "A0" else ".--", label="uniform frontier" if key == "A0" else POLICIES[key])
-        ax.set_xscale("log")
-        ax.set(xlabel="tokens/s (log)", ylabel="loss (nats)", title=f"Realized teacher-forced scoring, batch {batch}")
-    for ax in axes[0]:
-        ax.grid(alpha=0.3)
-        ax.legend()
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -492,13 +376,15 @@ def main(argv=()):
         for key in ("A1", "A1s", "A2"):
             row[key] = estimate(loss_delta, pw, C.bootstrap, C.seed, key=key, depth=depth)
         res["table"].append(row)
-    if C.realized:
+    print_report(res)
+    if C.realized:  # the timed part lives with the other benchmarks
+        from bench import plot_frontier, scoring_frontier
         with ctx:
-            speeds = time_policies(model, X, Y, C, r_max, grids, probe)
-        res["realized"] = {batch: realized_rows(pw, curves, s, C) for batch, s in speeds.items()}
+            res["realized"] = scoring_frontier(model, X, Y, C, res, pw)
+        if C.plot:
+            plot_frontier(res["realized"], "Realized teacher-forced scoring", os.path.join(C.out_dir, "realized.png"))
     res["per_window"] = {key: [loss.tolist(), depth.tolist()] for key, (loss, depth) in pw.items()}
     res["seconds"] = time.perf_counter() - t_start
-    print_report(res)
     os.makedirs(C.out_dir, exist_ok=True)
     with open(os.path.join(C.out_dir, "allocate.json"), "w") as f:
         json.dump(res, f, indent=2)

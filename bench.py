@@ -13,6 +13,7 @@ compute, not data loading. Medians over rounds; a markdown table, and everything
 import json
 import os
 import platform
+from functools import partial
 import statistics
 import time
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ import torch._dynamo.utils
 import torch.nn.functional as F
 
 import train
-from allocate import estimate, frontier, iso_loss_speedup, show, speedup_at
+from allocate import estimate, realized_exit, show
 from configurator import check_device, check_model, configure, die, require_positive, run
 from evaluate import markdown
 from model import GPT, GPTConfig
@@ -272,23 +273,150 @@ def print_report(out, C):
 
 
 
-# ---- generation against the uniform frontier: sample.py --bench -----------------------------
-def bench_configs(alloc):
-    """(policy, index, exit, threshold, loops) for uniform r = 1..r_max and allocate.py's A1 and A1s grids."""
-    configs = [("A0", r - 1, "none", 0.0, r) for r in range(1, alloc["r_max"] + 1)]
-    for key, exit in (("A1", "kl"), ("A1s", "state")):
+# ---- adaptive depth against the uniform-depth frontier -------------------------------------------------
+# allocate.py --realized (teacher-forced scoring) and sample.py --bench (generation) time uniform
+# r = 1..r_max and every A1/A1s threshold back to back on the same inputs, round after round, each keeping
+# its median. A threshold's speed is read against the frontier at its loss; the losses are allocate.py's
+# per-window results, so every speedup carries a paired bootstrap interval over the windows.
+def frontier(points):
+    """The uniform frontier: of (loss, tokens/s) points, those no other point beats on both, by loss."""
+    best = []
+    for loss, speed in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not best or speed > best[-1][1]:
+            best.append((loss, speed))
+    return best
+
+
+def iso_loss_speedup(front, loss, speed):
+    """speed / the frontier's tokens/s at `loss` (linear between the uniform depths around it), and
+    where `loss` lies: 'inside' the frontier, 'below' it (better than every uniform depth: the frontier
+    is read at its best point, so the speedup is a lower bound) or 'above' (worse than the fastest)."""
+    losses, speeds = zip(*front)
+    where = "below" if loss < losses[0] else "above" if loss > losses[-1] else "inside"
+    return speed / float(np.interp(loss, losses, speeds)), where
+
+
+def iso_speed_gain(front, loss, speed):
+    """The frontier's loss at `speed` minus `loss` (> 0: better than uniform depth); None outside its speeds."""
+    losses, speeds = zip(*front)
+    if not speeds[0] <= speed <= speeds[-1]:
+        return None
+    return float(np.interp(speed, speeds, losses)) - loss
+
+
+def speedup_at(pw, key, point, uniform_speeds, speed):
+    """The iso-loss speedup of one point of a policy, as a statistic of allocate.py's per-window results
+    pw: the speeds are measured once, the losses (its own and the frontier's) come from pw."""
+    front = frontier(zip(pw["A0"][0].mean(1), uniform_speeds))
+    return iso_loss_speedup(front, pw[key][0][point].mean(), speed)[0]
+
+
+def synchronize(device):
+    if device.startswith("cuda"):  # a timing waits for the GPU work queued before it
+        torch.cuda.synchronize()
+
+
+def median_seconds(configs, rounds, device, decode_only=False):
+    """configs {name: fn}: every fn once per round (after one untimed warm-up round), for `rounds` rounds.
+    decode_only: fn is generate(), which reports the seconds it spent after the prefill; time those.
+    -> ({name: median seconds}, {name: the last result})."""
+    times, results = {name: [] for name in configs}, {}
+    for fn in configs.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in configs.items():
+            synchronize(device)
+            t0 = time.perf_counter()
+            results[name] = fn()
+            synchronize(device)
+            times[name].append(results[name][2] if decode_only else time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}, results
+
+
+def frontier_rows(alloc, pw, speeds, seed):
+    """One row per point of A0, A1 and A1s: its loss, loops per token and tokens/s, and for A1/A1s the
+    iso-loss speedup (with its interval) and iso-throughput gain against the uniform points beside it."""
+    uniform_speeds = [speeds[("A0", r)] for r in range(len(alloc["curves"]["A0"]))]
+    front = frontier(zip([p["loss"] for p in alloc["curves"]["A0"]], uniform_speeds))
+    rows = []
+    for key in ("A0", "A1", "A1s"):
         for i, point in enumerate(alloc["curves"][key]):
-            configs.append((key, i, exit, point["threshold"], alloc["mean_loops"]))
-    return configs
+            speed = speeds[(key, i)]
+            row = {"policy": key, "point": i, "setting": point["threshold"], "loss": point["loss"],
+                   "tokens_per_s": speed, "avg_depth": point["avg_depth"]}
+            if key != "A0":
+                row["speedup"] = estimate(speedup_at, pw, 1000, seed, key=key, point=i,
+                                          uniform_speeds=uniform_speeds, speed=speed)
+                row["where"] = iso_loss_speedup(front, point["loss"], speed)[1]
+                row["gain"] = iso_speed_gain(front, point["loss"], speed)
+            rows.append(row)
+    return rows
 
 
-def generation_bench(model, C, data_dir, meta, ckpt):
-    """Greedy generation tokens/s at batch 1, 8 and 32 for uniform r = 1..r_max and every A1/A1s
-    threshold, zero init: prompts of bench_tokens tokens from val.bin, bench_tokens new tokens each,
-    decode time only (the prompt is prefilled at mean_loops for the thresholds, at r for uniform r).
-    Every configuration runs once per round, for 3 rounds; each keeps its median. A policy's loss is
-    its teacher-forced loss from out_dir/allocate.json (same r_max, init and K/V rule), so a speedup
-    is read against the uniform frontier at the same loss, with its bootstrap interval."""
+def print_frontier(title, rows, extra=()):
+    """A markdown table of frontier_rows; extra: (header, row key) columns."""
+    print(f"\n## {title}\n")
+    table = []
+    for r in rows:
+        setting = f"r={r['setting']}" if r["policy"] == "A0" else f"{r['setting']:.3g}"
+        speedup = gain = ""
+        if r["policy"] != "A0":
+            speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
+            gain = "" if r["gain"] is None else f"{r['gain']:+.4f}"
+        cells = [r["policy"], setting, f"{r['avg_depth']:.2f}", f"{r['loss']:.4f}", f"{r['tokens_per_s']:,.0f}",
+                 speedup, gain]
+        table.append(cells + [r[key] for _, key in extra])
+    print(markdown(["policy", "r / threshold", "loops/token", "loss", "tokens/s", "iso-loss speedup [95% CI]",
+                    "iso-throughput gain (nats)"] + [header for header, _ in extra], table))
+
+
+def plot_frontier(by_batch, what, path):
+    """Loss against tokens/s per batch size: the uniform frontier as a line, A1 and A1s as curves."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(by_batch), figsize=(5.5 * len(by_batch), 4.2), squeeze=False)
+    for ax, (batch, rows) in zip(axes[0], by_batch.items()):
+        for key, label in (("A0", "uniform frontier, r = 1..r_max"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
+            speed, loss = zip(*sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key))
+            ax.plot(speed, loss, "o-" if key == "A0" else ".--", label=label)
+        ax.set_xscale("log")
+        ax.set(xlabel="tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"{what}, batch {batch}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def scoring_frontier(model, X, Y, C, alloc, pw):
+    """allocate.py --realized: teacher-forced tokens/s at batch 1 and batch_size on the first timing_windows
+    windows, uniform r through model.forward (the fastest uniform path), thresholds through realized_exit."""
+    Xt, Yt = X[:C.timing_windows], Y[:C.timing_windows]
+    r_max = alloc["r_max"]
+    by_batch = {}
+    for batch in (1, C.batch_size):
+        def over_windows(fn):
+            return lambda: [fn(Xt[i:i + batch], Yt[i:i + batch]) for i in range(0, len(Xt), batch)]
+        configs = {}
+        for r in range(1, r_max + 1):
+            configs[("A0", r - 1)] = over_windows(lambda x, y, r=r: model(x, loops=r, state_init="zero"))
+        for key, criterion in (("A1", "kl"), ("A1s", "state")):
+            for i, point in enumerate(alloc["curves"][key]):
+                exit_run = partial(realized_exit, r_max=r_max, criterion=criterion, threshold=point["threshold"])
+                configs[(key, i)] = over_windows(lambda x, y, run_exit=exit_run: run_exit(model, x, y))
+        seconds, _ = median_seconds(configs, C.timing_reps, C.device)
+        by_batch[batch] = frontier_rows(alloc, pw, {k: Xt.numel() / s for k, s in seconds.items()}, C.seed)
+        print_frontier(f"Realized teacher-forced scoring, batch {batch}: tokens/s on the first {len(Xt)} windows "
+                       f"(median of {C.timing_reps} rounds), losses on all {len(X)}", by_batch[batch])
+    return by_batch
+
+
+def generation_frontier(model, C, data_dir, meta, ckpt):
+    """sample.py --bench: greedy decode tokens/s at batch 1, 8 and 32, zero init, prompts of bench_tokens
+    tokens spread over val.bin and bench_tokens new tokens each; the prompt is prefilled outside the timing
+    (at r for uniform r, at mean_loops for the thresholds). Losses are the teacher-forced ones from
+    out_dir/allocate.json: the same policies (r_max, init, K/V rule) scored there."""
     path = os.path.join(C.out_dir, "allocate.json")
     if not os.path.isfile(path):
         die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first (the bench reads the losses from it)")
@@ -302,83 +430,47 @@ def generation_bench(model, C, data_dir, meta, ckpt):
     val = np.memmap(os.path.join(data_dir, "val.bin"), dtype=meta["dtype"], mode="r")
     if len(val) < P:
         die(f"{data_dir}/val.bin has {len(val)} tokens, fewer than one {P}-token prompt")
-    starts = np.linspace(0, len(val) - P, max(GENERATION_BATCHES)).astype(int)  # spread over val, one per sequence
-    prompts = torch.stack([torch.from_numpy(val[i:i + P].astype(np.int64)) for i in starts])
-    greedy = lambda logits, seqs: logits.argmax(-1)  # noqa: E731
-    sync = torch.cuda.synchronize if C.device.startswith("cuda") else (lambda: None)
-    configs = bench_configs(alloc)
+    starts = np.linspace(0, len(val) - P, max(GENERATION_BATCHES)).astype(int)  # one per sequence
+    prompts = torch.stack([torch.from_numpy(val[i:i + P].astype(np.int64)) for i in starts]).to(C.device)
     pw = {key: (np.array(loss), np.array(depth)) for key, (loss, depth) in alloc["per_window"].items()}
-    print(f"benchmark: greedy, zero init, {P}-token prompts from val.bin + {N} new tokens per sequence, decode "
-          f"tokens/s, median of 3 rounds; {platform.processor() or platform.machine()}, {C.device}, "
+    print(f"greedy generation, zero init, {P}-token prompts + {N} new tokens per sequence, decode tokens/s "
+          f"(median of 3 rounds); {platform.processor() or platform.machine()}, {C.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     res = {"args": vars(C), "prompt_tokens": P, "new_tokens": N, "batches": {}}
-    alone = {}  # (policy, index) -> the first sequence's tokens at batch 1
+    alone = {}  # the first sequence's tokens at batch 1, per configuration
     for batch in GENERATION_BATCHES:
-        idx = prompts[:batch].to(C.device)
         s0 = initial_states(model, batch, P + N, "zero", C.seed, C.device)
-        times, outs = {}, {}
-        for rnd in range(3):
-            for key, i, exit, threshold, loops in configs:
-                sync()
-                out, depths, seconds = generate(model, idx, N, loops, s0, greedy, exit, threshold, alloc["r_max"])
-                sync()
-                times.setdefault((key, i), []).append(seconds)
-                outs[(key, i)] = (out[:, P:], depths)
-        reference = outs[("A0", alloc["mean_loops"] - 1)][0]
-        speeds = {k: batch * (N - 1) / float(np.median(t)) for k, t in times.items()}  # N - 1 fed back per sequence
-        uniform_speeds = [speeds[("A0", r)] for r in range(alloc["r_max"])]
-        front = frontier(zip([p["loss"] for p in alloc["curves"]["A0"]], uniform_speeds))
-        rows = []
-        for key, i, exit, threshold, loops in configs:
-            tokens, depths = outs[(key, i)]
-            loss = alloc["curves"][key][i]["loss"]
-            if batch == 1:
-                alone[(key, i)] = tokens[0]
-            row = {"policy": key, "setting": f"r={loops}" if key == "A0" else f"{threshold:.3g}",
-                   "loops_per_token": float(np.mean([d for seq in depths for d in seq])), "loss": loss,
-                   "tokens_per_s": speeds[(key, i)], "equal_to_uniform_mean": int((tokens == reference).sum()),
-                   "first_equal_to_batch_1": int((tokens[0] == alone[(key, i)]).sum())}
-            if key != "A0":
-                row["speedup"] = estimate(speedup_at, pw, 1000, C.seed, key=key, point=i,
-                                          uniform_speeds=uniform_speeds, speed=speeds[(key, i)])
-                row["where"] = iso_loss_speedup(front, loss, speeds[(key, i)])[1]
-            rows.append(row)
+        configs = {}
+        for r in range(1, alloc["r_max"] + 1):
+            configs[("A0", r - 1)] = partial(generate, model, prompts[:batch], N, r, s0, greedy)
+        for key, exit in (("A1", "kl"), ("A1s", "state")):
+            for i, point in enumerate(alloc["curves"][key]):
+                configs[(key, i)] = partial(generate, model, prompts[:batch], N, alloc["mean_loops"], s0, greedy,
+                                            exit, point["threshold"], alloc["r_max"])
+        seconds, results = median_seconds(configs, 3, C.device, decode_only=True)
+        speeds = {name: batch * (N - 1) / s for name, s in seconds.items()}  # N - 1 new tokens are fed back
+        rows = frontier_rows(alloc, pw, speeds, C.seed)
+        reference = results[("A0", alloc["mean_loops"] - 1)][0][:, P:]
+        for row in rows:
+            name = (row["policy"], row["point"])
+            tokens, depths, _ = results[name]
+            alone.setdefault(name, tokens[0, P:])
+            row["avg_depth"] = float(np.mean([d for seq in depths for d in seq]))  # as run, not teacher-forced
+            row["equal_to_uniform_mean"] = int((tokens[:, P:] == reference).sum())
+            row["first_equal_to_batch_1"] = int((tokens[0, P:] == alone[name]).sum())
         res["batches"][batch] = rows
-        print(f"\n## Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
-              f"of {batch * N}; first: the first sequence's tokens equal to its batch-1 run's, of {N})\n")
-        table = []
-        for r in rows:
-            speedup = ""
-            if "speedup" in r:
-                speedup = ("≥ " if r["where"] == "below" else "") + show(r["speedup"], 2, "", "x")
-            table.append([r["policy"], r["setting"], f"{r['loops_per_token']:.2f}", f"{r['loss']:.4f}",
-                          f"{r['tokens_per_s']:,.1f}", speedup, r["equal_to_uniform_mean"], r["first_equal_to_batch_1"]])
-        print(markdown(["policy", "r / threshold", "loops/token", "teacher-forced loss", "tokens/s",
-                        "iso-loss speedup [95% CI]", "equal", "first"], table))
+        print_frontier(f"Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
+                       f"of {batch * N}; first: the first sequence's equal to its batch-1 run's, of {N})", rows,
+                       [("equal", "equal_to_uniform_mean"), ("first", "first_equal_to_batch_1")])
     with open(os.path.join(C.out_dir, "sample_bench.json"), "w") as f:
         json.dump(res, f, indent=2)
     if C.plot:
-        plot_bench(res, alloc, os.path.join(C.out_dir, "sample_bench.png"))
+        plot_frontier(res["batches"], "Generation", os.path.join(C.out_dir, "sample_bench.png"))
     return res
 
 
-def plot_bench(res, alloc, path):
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(res["batches"]), figsize=(5.5 * len(res["batches"]), 4.2), squeeze=False)
-    for ax, (batch, rows) in zip(axes[0], res["batches"].items()):
-        for key, label in (("A0", "uniform frontier (r = 1..r_max)"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
-            points = sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key)
-            ax.plot(*zip(*points), "o-" if key == "A0" else ".--", label=label)
-        ax.set_xscale("log")
-        ax.set(xlabel="decode tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"Generation, batch {batch}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
+def greedy(logits, seqs):
+    return logits.argmax(-1)
 
 if __name__ == "__main__":
     run(main)

@@ -275,8 +275,8 @@ def main(argv=()):
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(dynamic=True)
     if C.bench:  # the benchmark lives with the others, in bench.py
-        from bench import generation_bench
-        return generation_bench(model, C, data_dir, meta, ckpt)
+        from bench import generation_frontier
+        return generation_frontier(model, C, data_dir, meta, ckpt)
     ids = prompt_ids(C.start, encode, decode)
     n = C.num_samples
     idx = torch.tensor([ids] * n, device=C.device)

@@ -61,22 +61,6 @@ def test_interpolation_on_a_hand_made_curve():
     assert allocate.depth_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
 
 
-def test_frontier_on_a_hand_made_curve():
-    # uniform r = 1..4 as (loss, tokens/s); r=4 is slower than r=3 and no better: off the frontier
-    uniform = [(4.0, 1000.0), (3.0, 600.0), (2.5, 400.0), (2.6, 300.0)]
-    front = allocate.frontier(uniform)
-    assert front == [(2.5, 400.0), (3.0, 600.0), (4.0, 1000.0)]
-    # a point at loss 3.5 running 1600 tokens/s: the frontier runs 800 there (half way from 600 to 1000)
-    assert allocate.iso_loss_speedup(front, 3.5, 1600.0) == (pytest.approx(2.0), "inside")
-    # at 800 tokens/s the frontier's loss is 3.5: 0.25 nats better than it at 3.25
-    assert allocate.iso_speed_gain(front, 3.25, 800.0) == pytest.approx(0.25)
-    # better than every uniform depth: read against the best uniform point, flagged as a lower bound
-    assert allocate.iso_loss_speedup(front, 2.0, 500.0) == (pytest.approx(1.25), "below")
-    assert allocate.iso_speed_gain(front, 2.0, 500.0) == pytest.approx(2.75 - 2.0)
-    assert allocate.iso_loss_speedup(front, 4.5, 500.0)[1] == "above"
-    assert allocate.iso_speed_gain(front, 3.0, 2000.0) is None  # faster than the fastest uniform depth
-
-
 def test_bootstrap_interval_on_a_synthetic_pair():
     """A1 is A0 minus 0.05 nats on every window, plus noise. Over 40 synthetic evaluations the paired 95%
     interval holds the true -0.05 about 95% of the time, and it narrows as the windows grow (~1/sqrt(n))."""
@@ -183,10 +167,13 @@ def test_main_writes_json_table_and_plot(trained, monkeypatch):
     assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
     assert saved["depth_at_bar"]["A0"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
     assert set(saved["realized"]) == {"1", "4"}  # batch 1 and batch_size
+    assert (root / "out" / "realized.png").stat().st_size > 0
     for rows in saved["realized"].values():
         assert [r["policy"] for r in rows] == ["A0"] * R_MAX + ["A1"] * 4 + ["A1s"] * 4
         assert all(r["tokens_per_s"] > 0 for r in rows)
         assert all(r["speedup"]["value"] > 0 for r in rows if r["policy"] != "A0")
+        for r in rows:  # each row's loss is its allocation curve's point
+            assert r["loss"] == saved["curves"][r["policy"]][r["point"]]["loss"]
     assert len(saved["per_window"]["A1"][0]) == 4 and len(saved["per_window"]["A1"][0][0]) == 6
 
 

@@ -127,3 +127,19 @@ def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
         configurator.run(bench.main)
     assert exit_info.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_frontier_on_a_hand_made_curve():
+    # uniform r = 1..4 as (loss, tokens/s); r=4 is slower than r=3 and no better: off the frontier
+    uniform = [(4.0, 1000.0), (3.0, 600.0), (2.5, 400.0), (2.6, 300.0)]
+    front = bench.frontier(uniform)
+    assert front == [(2.5, 400.0), (3.0, 600.0), (4.0, 1000.0)]
+    # a point at loss 3.5 running 1600 tokens/s: the frontier runs 800 there (half way from 600 to 1000)
+    assert bench.iso_loss_speedup(front, 3.5, 1600.0) == (pytest.approx(2.0), "inside")
+    # at 800 tokens/s the frontier's loss is 3.5: 0.25 nats better than it at 3.25
+    assert bench.iso_speed_gain(front, 3.25, 800.0) == pytest.approx(0.25)
+    # better than every uniform depth: read against the best uniform point, flagged as a lower bound
+    assert bench.iso_loss_speedup(front, 2.0, 500.0) == (pytest.approx(1.25), "below")
+    assert bench.iso_speed_gain(front, 2.0, 500.0) == pytest.approx(2.75 - 2.0)
+    assert bench.iso_loss_speedup(front, 4.5, 500.0)[1] == "above"
+    assert bench.iso_speed_gain(front, 3.0, 2000.0) is None  # faster than the fastest uniform depth
