@@ -23,7 +23,7 @@ import torch.distributed as dist
 from configurator import (check_device, check_model, configure, default_device, die, inherit, require_package,
                           require_positive, run)
 from model import CKPT_FORMAT, GPT, GPTConfig, read_checkpoint
-from prepare import open_dataset
+import prepare
 
 # ---- defaults: the CPU run that `python train.py` does ----------------------------------
 out_dir = "out-shakespeare"
@@ -212,7 +212,13 @@ def main(argv=()):
     elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
         die(f"{ckpt_path} holds a run at step {read_checkpoint(ckpt_path)['iter_num']}: continue it with "
             f"--init_from=resume, or replace it with --overwrite_checkpoint=True")
-    data_dir, meta = open_dataset(C.dataset, ckpt, ckpt_path)
+    if C.dataset == DEFAULTS["dataset"] and not os.path.isfile(os.path.join("data", C.dataset, "meta.json")):
+        if master:  # the quick start is two commands: the default corpus prepares itself on first use
+            log(f"data/{C.dataset}/ is not prepared yet: running `python prepare.py` first")
+            prepare.main([])
+        if ddp:
+            dist.barrier()
+    data_dir, meta = prepare.open_dataset(C.dataset, ckpt, ckpt_path)
     model_args = {k: getattr(C, k) for k in MODEL_KEYS} | {"vocab_size": meta["vocab_size"]}
     model = GPT(GPTConfig(**model_args)).to(C.device)
     optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device_type)

@@ -312,3 +312,24 @@ def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data):
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     assert load_checkpoint("o/ckpt.pt")[1]["iter_num"] >= 3
+
+
+def test_the_default_dataset_prepares_itself(tmp_path, monkeypatch, capsys):
+    """The quick start is `python train.py`: with no data/shakespeare, train.py runs prepare.py's default
+    preparation (here a stand-in that writes a tiny dataset under that name) and says so."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def fake_prepare(argv):
+        calls.append(argv)
+        os.makedirs("data/shakespeare")
+        np.tile(np.arange(14, dtype=np.uint16), 200).tofile("data/shakespeare/train.bin")
+        np.tile(np.arange(14, dtype=np.uint16), 20).tofile("data/shakespeare/val.bin")
+        meta = dict(source="shakespeare", tokenizer="none", vocab_size=14, eot_id=0, dtype="uint16")
+        Path("data/shakespeare/meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(train.prepare, "main", fake_prepare)
+    flags = [f for f in TINY if not f.startswith("--dataset")]
+    train.main(flags + ["--out_dir=out", "--max_iters=2", "--eval_interval=2"])
+    assert calls == [[]] and "running `python prepare.py` first" in capsys.readouterr().out
+    train.main(flags + ["--out_dir=out2", "--max_iters=2", "--eval_interval=2"])
+    assert calls == [[]]  # prepared once, then found
