@@ -52,8 +52,8 @@ def resolve_vocab(C):
     if os.path.isfile(meta):
         with open(meta) as f:
             return json.load(f)["vocab_size"], meta
-    # prepare.py's default Shakespeare BPE has 4096 entries; the hub datasets use SmolLM2's 49152
-    return {"shakespeare": 4096}.get(C.dataset, 49152), f"{C.dataset}'s tokenizer, no {meta}"
+    # prepare.py's default Shakespeare BPE has 1024 entries; the hub datasets use SmolLM2's 49152
+    return {"shakespeare": 1024}.get(C.dataset, 49152), f"{C.dataset}'s tokenizer, no {meta}"
 
 
 def fwd_flops(model, loops, T):

@@ -273,7 +273,7 @@ def main(argv=None):
     for directory, complete in ((out, True), (tmp, False)):
         if os.path.lexists(directory):
             check_ours(directory, complete)
-    spec = a.tokenizer or ("smollm2" if is_hub else "bpe:4096")
+    spec = a.tokenizer or ("smollm2" if is_hub else "bpe:1024")
     if a.source == "shakespeare":
         train, val = split_tail(shakespeare(os.path.join("data", ".cache")), vf)
     elif is_hub:

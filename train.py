@@ -27,7 +27,7 @@ import prepare
 
 # ---- defaults: the CPU run that `python train.py` does ----------------------------------
 out_dir = "out-shakespeare"
-eval_interval = 50
+eval_interval = 100
 log_interval = 10
 eval_iters = 10
 always_save_checkpoint = True
@@ -46,18 +46,18 @@ n_head = 3
 n_kv_head = 1
 ffn_hidden = 512
 n_prelude = 1
-n_core = 2
+n_core = 1
 n_coda = 1
-mean_loops = 4
-max_loops = 16
-bptt_k = 4
+mean_loops = 8
+max_loops = 32
+bptt_k = 8
 rope_theta = 10000.0
 norm_eps = 1e-5
 state_std = math.sqrt(2 / 5)
 loop_dist = "lognormal"  # 'lognormal' (randomized depth) or 'fixed' (r = mean_loops always)
 # optimizer and schedule
 learning_rate = 2e-3
-max_iters = 300
+max_iters = 400
 lr_decay_iters = 0  # 0: decay over max_iters (set it to stop early on the same schedule)
 warmup_iters = -1  # -1: 1% of lr_decay_iters
 min_lr = 2e-4

@@ -100,7 +100,7 @@ def test_vocab_comes_from_the_flag_the_prepared_dataset_or_its_tokenizer(tmp_pat
     (tmp_path / "data" / "mine" / "meta.json").write_text(json.dumps({"vocab_size": 300}))
     C = SimpleNamespace(vocab_size=0, dataset="mine")
     assert bench.resolve_vocab(C) == (300, "data/mine/meta.json")
-    assert bench.resolve_vocab(SimpleNamespace(vocab_size=0, dataset="shakespeare"))[0] == 4096
+    assert bench.resolve_vocab(SimpleNamespace(vocab_size=0, dataset="shakespeare"))[0] == 1024
     assert bench.resolve_vocab(SimpleNamespace(vocab_size=0, dataset="fineweb-edu"))[0] == 49152
     assert bench.resolve_vocab(SimpleNamespace(vocab_size=77, dataset="mine")) == (77, "--vocab_size")
 

