@@ -17,7 +17,6 @@ r = 1..r_max and every A1/A1s threshold back to back on the same windows, and re
 speed against the frontier at its loss. Loss differences carry paired bootstrap 95% intervals over
 the windows. Prints markdown; writes out_dir/allocate.json (and allocate.png with --plot).
 """
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from configurator import check_device, configure, default_device, die, require_positive, run
+from configurator import check_device, configure, default_device, die, require_positive, run, write_json
 from evaluate import load_windows, markdown, token_loss, trace
 from model import MIN_EXIT_LOOP, default_r_max, exit_score, load_checkpoint
 from prepare import open_dataset
@@ -313,23 +312,6 @@ def print_report(res):
           f"{res['probe']['accuracy']:.3f} (majority class {res['probe']['majority']:.3f}).")
 
 
-def plot_curves(res, path):
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 4.4))
-    for key, points in res["curves"].items():
-        depth, loss = zip(*sorted((p["avg_depth"], p["loss"]) for p in points))
-        ax.plot(depth, loss, "o-" if key == "A0" else ".-", label=POLICIES[key])
-    ax.axhline(res["bar"], color="k", linestyle=":", label=f"uniform r={res['mean_loops']} quality")
-    ax.set(xlabel="average loops per token", ylabel="loss (nats)", title=f"Allocation ({res['harness']} harness)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv=()):
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
     check_device(C.device, C.dtype)
@@ -378,19 +360,19 @@ def main(argv=()):
         res["table"].append(row)
     print_report(res)
     if C.realized:  # the timed part lives with the other benchmarks
-        from bench import plot_frontier, scoring_frontier
+        from bench import scoring_frontier
         with ctx:
             res["realized"] = scoring_frontier(model, X, Y, C, res, pw)
-        if C.plot:
-            plot_frontier(res["realized"], "Realized teacher-forced scoring", os.path.join(C.out_dir, "realized.png"))
     res["per_window"] = {key: [loss.tolist(), depth.tolist()] for key, (loss, depth) in pw.items()}
     res["seconds"] = time.perf_counter() - t_start
     os.makedirs(C.out_dir, exist_ok=True)
-    with open(os.path.join(C.out_dir, "allocate.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(os.path.join(C.out_dir, "allocate.json"), res)
     if C.plot:
-        plot_curves(res, os.path.join(C.out_dir, "allocate.png"))
-    print(f"\nwrote {C.out_dir}/allocate.json{' and allocate.png' if C.plot else ''} in {res['seconds']:.0f}s")
+        from plots import allocation_figure, frontier_figure
+        allocation_figure(res, os.path.join(C.out_dir, "allocate.png"))
+        if C.realized:
+            frontier_figure(res["realized"], "Realized teacher-forced scoring", os.path.join(C.out_dir, "realized.png"))
+    print(f"\nwrote {C.out_dir}/allocate.json{' and figures' if C.plot else ''} in {res['seconds']:.0f}s")
     return res
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import train
 from allocate import estimate, realized_exit, show
-from configurator import check_device, check_model, configure, die, require_positive, run
+from configurator import check_device, check_model, configure, die, require_positive, run, write_json
 from evaluate import markdown
 from model import GPT, GPTConfig
 from sample import generate, initial_states
@@ -237,8 +237,7 @@ def main(argv=()):
                                                                        out["dense"]["round_flops_per_s"]))
     if C.profile_rows:
         out["profile"] = profile_step(lambda: (runs["recurrent"].step(0, C.mean_loops), sync()), C.profile_rows, cuda)
-    with open(C.bench_json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(C.bench_json, out)
     print_report(out, C)
     return out
 
@@ -370,25 +369,6 @@ def print_frontier(title, rows, extra=()):
                     "iso-throughput gain (nats)"] + [header for header, _ in extra], table))
 
 
-def plot_frontier(by_batch, what, path):
-    """Loss against tokens/s per batch size: the uniform frontier as a line, A1 and A1s as curves."""
-    import matplotlib
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(by_batch), figsize=(5.5 * len(by_batch), 4.2), squeeze=False)
-    for ax, (batch, rows) in zip(axes[0], by_batch.items()):
-        for key, label in (("A0", "uniform frontier, r = 1..r_max"), ("A1", "A1 KL exit"), ("A1s", "A1s state exit")):
-            speed, loss = zip(*sorted((r["tokens_per_s"], r["loss"]) for r in rows if r["policy"] == key))
-            ax.plot(speed, loss, "o-" if key == "A0" else ".--", label=label)
-        ax.set_xscale("log")
-        ax.set(xlabel="tokens/s (log)", ylabel="teacher-forced loss (nats)", title=f"{what}, batch {batch}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def scoring_frontier(model, X, Y, C, alloc, pw):
     """allocate.py --realized: teacher-forced tokens/s at batch 1 and batch_size on the first timing_windows
     windows, uniform r through model.forward (the fastest uniform path), thresholds through realized_exit."""
@@ -462,10 +442,10 @@ def generation_frontier(model, C, data_dir, meta, ckpt):
         print_frontier(f"Generation, batch {batch} (equal: greedy tokens equal to uniform r={alloc['mean_loops']}'s, "
                        f"of {batch * N}; first: the first sequence's equal to its batch-1 run's, of {N})", rows,
                        [("equal", "equal_to_uniform_mean"), ("first", "first_equal_to_batch_1")])
-    with open(os.path.join(C.out_dir, "sample_bench.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(os.path.join(C.out_dir, "sample_bench.json"), res)
     if C.plot:
-        plot_frontier(res["batches"], "Generation", os.path.join(C.out_dir, "sample_bench.png"))
+        from plots import frontier_figure
+        frontier_figure(res["batches"], "Generation", os.path.join(C.out_dir, "sample_bench.png"))
     return res
 
 

@@ -11,6 +11,7 @@ Ctrl-C as one line (`run`).
 """
 import ast
 import importlib
+import json
 import os
 import sys
 import traceback
@@ -163,6 +164,14 @@ def check_device(device, dtype="float32"):
         die(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         die(f"--device={device}: no CUDA GPU is available on this machine (use --device=cpu)")
+
+
+def write_json(path, obj):
+    """Whole or not at all: written to a temporary file, then renamed over the old one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
 
 
 def run(main):

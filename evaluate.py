@@ -12,7 +12,6 @@ Measure what the recurrence computes, on a checkpoint and its dataset's validati
 4. Optionally a Hugging Face causal LM on the same text as a ceiling reference (per token and per byte).
 Tables on stdout, every number in out_dir/eval.json, figures with --plot; windows and noise are seeded.
 """
-import json
 import math
 import os
 import time
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import (check_device, configure, default_device, die, require_package, require_positive,
-                          run)
+                          run, write_json)
 from model import load_checkpoint, state_change, token_kl
 
 # ---- defaults --------------------------------------------------------------------------
@@ -217,50 +216,6 @@ def print_tables(res):
                         [c["model"], f"{c['loss_per_token']:.3f}", f"{c['loss_per_byte']:.3f}", c["tokens"]]]))
 
 
-def plot_figures(res, out_dir):
-    try:
-        import matplotlib
-    except ImportError:
-        die("--plot needs the optional `matplotlib` package: pip install matplotlib")
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-    mean, el, cv, tc = res["checkpoint"]["mean_loops"], res["elasticity"], res["convergence"], res["token_classes"]
-    figs = {name: plt.subplots(1, n, figsize=(5.5 * n, 4.2))
-            for name, n in (("loss_vs_loops", 2), ("convergence", 2), ("token_classes", 1))}
-    (ax_loss, ax_cost), (ax_kl, ax_moving), ax_class = (axes for _, axes in figs.values())
-    loops, losses, speed = ([r[key] for r in el] for key in ("loops", "loss", "tokens_per_s"))
-    ax_loss.plot(loops, losses, "o-")
-    ax_loss.set_xscale("log", base=2)
-    ax_loss.set_xticks(loops, [str(r) for r in loops])
-    ax_loss.set(xlabel="inference loops r", ylabel="validation loss (nats)", title="Loss vs loops (noise init)")
-    ax_cost.plot(speed, losses, "o-")
-    for r, x, y in zip(loops, speed, losses):
-        ax_cost.annotate(f"r={r}", (x, y), textcoords="offset points", xytext=(5, 5))
-    ax_cost.set_xscale("log")
-    ax_cost.margins(x=0.15, y=0.1)
-    ax_cost.set(xlabel="tokens/s at batch 1 (log)", ylabel="validation loss (nats)", title="Per-request cost curve")
-    loop = [r["loop"] for r in cv["rows"]]
-    ax_kl.semilogy(loop, [r["mean_kl"] for r in cv["rows"]], "o-")
-    ax_kl.set(xlabel="loop i", ylabel=r"mean KL($p_i \,\|\, p_{i-1}$) (log)", title=f"Successive-output KL ({cv['init']} init)")
-    ax_moving.plot(loop, [r["percent_moving"] for r in cv["rows"]], "o-")
-    ax_moving.set(xlabel="loop i", ylabel=f"percent of tokens with KL > {MOVING_KL:g}", ylim=(0, 101),
-                  title=f"Tokens still moving (median convergence depth {cv['median_depth']:g})")
-    for ax in (ax_loss, ax_kl, ax_moving):
-        ax.axvline(mean, color="gray", linestyle="--", label=f"training mean ({mean})")
-        ax.legend()
-    rows = [r for r in tc["rows"] if r["mean_exit_depth"] is not None]
-    bars = ax_class.bar([f"{r['class']}\n(n={r['count']})" for r in rows], [r["mean_exit_depth"] for r in rows])
-    ax_class.bar_label(bars, fmt="%.2f")
-    ax_class.margins(y=0.15)
-    ax_class.set(ylabel="mean exit depth (loops)", title=f"Depth by token class (exit at KL < {tc['exit_threshold']:g})")
-    for name, (fig, _) in figs.items():
-        for ax in fig.axes:
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"eval_{name}.png"), dpi=120)
-    plt.close("all")
-
-
 def main(argv=()):
     t_start = time.perf_counter()
     C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
@@ -307,9 +262,11 @@ def main(argv=()):
     targets = wins[:, 1:].flatten().tolist()
     class_of_id = {i: token_class(decode([i])) for i in set(targets)}  # the class of the predicted token
     classes = np.array([class_of_id[t] for t in targets])
-    tc = {"exit_threshold": C.exit_threshold, "mean_exit_depth": float(exits.mean()), "rows": [
-        {"class": name, "count": picked.size, "mean_exit_depth": float(picked.mean()) if picked.size else None}
-        for name in CLASSES for picked in [exits[classes == name]]]}
+    tc = {"exit_threshold": C.exit_threshold, "mean_exit_depth": float(exits.mean()), "rows": []}
+    for name in CLASSES:
+        picked = exits[classes == name]
+        mean_exit = float(picked.mean()) if picked.size else None
+        tc["rows"].append({"class": name, "count": picked.size, "mean_exit_depth": mean_exit})
 
     ceiling = None
     if C.hf_model:
@@ -325,10 +282,10 @@ def main(argv=()):
         "elasticity": el, "convergence": cv, "token_classes": tc, "ceiling": ceiling}
     print_tables(res)
     res["seconds"] = time.perf_counter() - t_start
-    with open(os.path.join(C.out_dir, "eval.json"), "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(os.path.join(C.out_dir, "eval.json"), res)
     if C.plot:
-        plot_figures(res, C.out_dir)
+        from plots import eval_figures
+        eval_figures(res, C.out_dir)
     print(f"\nwrote {C.out_dir}/eval.json{' and eval_*.png' if C.plot else ''} in {time.perf_counter() - t_start:.1f}s")
     return res
 

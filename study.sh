@@ -1,50 +1,40 @@
 #!/usr/bin/env bash
-# The laptop study, end to end on CPU: prepare, train the randomized-depth model and its
-# fixed-depth control, evaluate both, run the allocation study, and collect the figures.
-# Each step's wall-clock goes to study_times.txt.
-#   ./study.sh        the 25-minute runs (config/shakespeare_long*.py), ~75 minutes in all on 2 cores
-#   ./study.sh short  the 10-minute CPU default and its control, ~45 minutes in all
+# The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
+# train.py prepares Shakespeare itself the first time) and its fixed-depth control, evaluate both,
+# run the allocation study with the timed uniform frontier, benchmark adaptive generation, and
+# collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
+#   ./study.sh                              out-shakespeare and out-shakespeare-fixed (~40 min on 2 cores)
+#   ./study.sh out-mine config/mine.py      another run: its out_dir, then any train.py arguments
+# A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
+# <run>_times.txt.
 set -euo pipefail
 cd "$(dirname "$0")"
-: > study_times.txt
+out=${1:-out-shakespeare}
+shift || true
+times="${out}_times.txt"
+: > "$times"
 step() {
     local t0=$SECONDS
     echo "+ $*"
     "$@"
-    echo "$(( SECONDS - t0 ))s  $*" | tee -a study_times.txt
+    echo "$(( SECONDS - t0 ))s  $*" | tee -a "$times"
 }
-if [ "${1:-long}" = short ]; then
-    rand=(); fixed=config/shakespeare_fixed.py; out=out-shakespeare
-else
-    rand=(config/shakespeare_long.py); fixed=config/shakespeare_long_fixed.py; out=out-shakespeare-long
-fi
-step python prepare.py
-step python train.py "${rand[@]}"      # randomized depth -> $out
-step python train.py "$fixed"          # fixed depth      -> $out-fixed
+train() {  # train OUT_DIR ARGS...: skipped when OUT_DIR/ckpt.pt exists
+    if [ -f "$1/ckpt.pt" ]; then
+        echo "$1/ckpt.pt exists: kept (remove it, or train with --overwrite_checkpoint=True, to retrain)"
+    else
+        step python train.py "${@:2}" --out_dir="$1"
+    fi
+}
+train "$out" "$@"
+train "$out-fixed" "$@" --loop_dist=fixed
 step python evaluate.py --out_dir="$out" --plot
-step python evaluate.py --out_dir="$out-fixed" --loops=1,2,3,4,5,6,8,16
+step python evaluate.py --out_dir="$out-fixed" --loops=1,2,3,4,6,8,12,16,32
 step python allocate.py --out_dir="$out" --plot --realized
+step python sample.py --out_dir="$out" --bench --plot
 mkdir -p figures
-OUT="$out" python - <<'PY'
-import json, os
-rand, fixed = (json.load(open(f"{os.environ['OUT']}{suffix}/eval.json")) for suffix in ("", "-fixed"))
-loss = lambda ev: {row["loops"]: row["loss"] for row in ev["elasticity"]}
-a, b = loss(rand), loss(fixed)
-print("\n| loops r | randomized | fixed r=4 |\n|---|---|---|")
-for r in sorted(set(a) | set(b)):
-    print(f"| {r} | {a.get(r, float('nan')):.3f} | {b.get(r, float('nan')):.3f} |")
-import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-fig, ax = plt.subplots(figsize=(5.5, 4.2))
-for curve, label in ((a, "randomized depth (LogNormal, mean 4)"), (b, "fixed depth r=4 (control)")):
-    ax.plot(sorted(curve), [curve[r] for r in sorted(curve)], "o-", label=label)
-ax.set_xscale("log", base=2)
-ax.set_xticks(sorted(b), [str(r) for r in sorted(b)])
-ax.set(xlabel="inference loops r", ylabel="validation loss (nats)", title="Randomized vs fixed-depth training")
-ax.grid(alpha=0.3)
-ax.legend(loc="upper right")
-fig.tight_layout()
-fig.savefig("figures/elasticity_vs_fixed.png", dpi=120)
-PY
-cp "$out"/*.png figures/
+name=$(basename "$out")
+python plots.py "$out" "$out-fixed" "figures/${name}_vs_fixed.png"
+for figure in "$out"/*.png; do
+    cp "$figure" "figures/${name}_$(basename "$figure")"
+done

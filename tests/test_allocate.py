@@ -43,7 +43,8 @@ def trained(tmp_path_factory):
         mp.chdir(root)
         train.main(["--dataset=tiny", "--out_dir=out", "--max_iters=60", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
                     "--ffn_hidden=64", "--block_size=32", "--batch_size=8", "--eval_interval=60", "--eval_iters=1",
-                    "--compile=False", "--mean_loops=3", "--max_loops=8", "--learning_rate=5e-3", "--log_interval=1000"])
+                    "--compile=False", "--n_core=2", "--mean_loops=3", "--max_loops=8", "--bptt_k=4",
+                    "--learning_rate=5e-3", "--log_interval=1000"])
     model, _ = load_checkpoint(str(root / "out" / "ckpt.pt"))
     wins = load_windows(str(root / "data/tiny/val.bin"), "uint16", 8, 33, 0)
     return root, model, wins[:, :-1], wins[:, 1:].contiguous()

@@ -16,8 +16,8 @@ import train  # noqa: E402
 from model import token_kl  # noqa: E402
 
 TINY = ["--dataset=tiny", "--out_dir=out-tiny", "--max_iters=30", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
-        "--ffn_hidden=64", "--block_size=32", "--batch_size=8", "--eval_interval=30", "--eval_iters=2",
-        "--compile=False", "--peak_flops=1e9", "--log_interval=100"]
+        "--ffn_hidden=64", "--n_core=2", "--mean_loops=4", "--max_loops=16", "--bptt_k=4", "--block_size=32",
+        "--batch_size=8", "--eval_interval=30", "--eval_iters=2", "--compile=False", "--peak_flops=1e9", "--log_interval=100"]
 FAST = ["--out_dir=out-tiny", "--windows=6", "--batch_size=4", "--timing_windows=1"]
 TIMINGS = ("tokens_per_s", "relative_throughput", "seconds")
 

@@ -47,7 +47,7 @@ def workdir(tmp_path_factory):
         make_dataset(root)
         train.main(["--dataset=tiny", "--out_dir=out", "--max_iters=20", "--eval_interval=20", "--eval_iters=1",
                     "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn_hidden=64", "--n_prelude=1", "--n_core=2",
-                    "--n_coda=1", "--block_size=64", "--batch_size=4", "--mean_loops=2", f"--max_loops={MAX_LOOPS}",
+                    "--n_coda=1", "--block_size=64", "--batch_size=4", "--mean_loops=2", f"--max_loops={MAX_LOOPS}", "--bptt_k=4",
                     "--compile=False", "--device=cpu", "--dtype=float32", "--peak_flops=1e9"])
     yield root
 

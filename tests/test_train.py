@@ -81,6 +81,19 @@ def test_configurator_errors(tmp_path, capsys):
     assert configure(d, [str(cfg), "--max_iters=4"])["max_iters"] == 4
 
 
+
+def test_every_committed_config_file_loads(monkeypatch):
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(root)  # config files exec each other by relative path, as `python train.py config/x.py` does
+    paths = sorted(root.glob("config/**/*.py"))
+    assert len(paths) >= 10
+    for path in paths:
+        cfg = configure(train.DEFAULTS, [str(path.relative_to(root))])
+        assert cfg["out_dir"].startswith("out-") and cfg["max_iters"] > 0
+    search = configure(train.DEFAULTS, ["config/search/c5.py"])  # the run that became the defaults
+    for key in ("n_embd", "n_core", "mean_loops", "max_loops", "bptt_k", "block_size", "batch_size", "max_iters"):
+        assert search[key] == train.DEFAULTS[key]
+
 def test_training_learns_and_writes_a_loadable_checkpoint(tiny_data, capsys):
     hist = train.main(TINY + ["--max_iters=40", "--eval_interval=20", "--learning_rate=1e-2", "--out_dir=out"])
     assert len(hist) == 40 and sum(h[2] for h in hist[-5:]) < sum(h[2] for h in hist[:5])
