@@ -28,8 +28,9 @@ train() {  # train OUT_DIR ARGS...: skipped when OUT_DIR/ckpt.pt exists
 }
 train "$out" "$@"
 train "$out-fixed" "$@" --loop_dist=fixed
-step python evaluate.py --out_dir="$out" --plot
-step python evaluate.py --out_dir="$out-fixed" --loops=1,2,3,4,6,8,12,16,32
+loops=1,2,3,4,6,8,12,16,32
+step python evaluate.py --out_dir="$out" --loops=$loops --plot
+step python evaluate.py --out_dir="$out-fixed" --loops=$loops
 step python allocate.py --out_dir="$out" --plot --realized
 step python sample.py --out_dir="$out" --bench --plot
 mkdir -p figures
