@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import train
 from allocate import estimate, realized_exit, show
 from configurator import check_device, check_model, configure, die, require_positive, run, write_json
-from evaluate import markdown
+from evaluate import markdown, token_loss
 from model import GPT, GPTConfig
 from sample import generate, initial_states
 
@@ -369,6 +369,7 @@ def print_frontier(title, rows, extra=()):
                     "iso-throughput gain (nats)"] + [header for header, _ in extra], table))
 
 
+@torch.no_grad()
 def scoring_frontier(model, X, Y, C, alloc, pw):
     """allocate.py --realized: teacher-forced tokens/s at batch 1 and batch_size on the first timing_windows
     windows, uniform r through model.forward (the fastest uniform path), thresholds through realized_exit."""
@@ -380,7 +381,8 @@ def scoring_frontier(model, X, Y, C, alloc, pw):
             return lambda: [fn(Xt[i:i + batch], Yt[i:i + batch]) for i in range(0, len(Xt), batch)]
         configs = {}
         for r in range(1, r_max + 1):
-            configs[("A0", r - 1)] = over_windows(lambda x, y, r=r: model(x, loops=r, state_init="zero"))
+            # the same work as a threshold's run: the forward and every token's loss
+            configs[("A0", r - 1)] = over_windows(lambda x, y, r=r: token_loss(model(x, loops=r, state_init="zero")[0], y))
         for key, criterion in (("A1", "kl"), ("A1s", "state")):
             for i, point in enumerate(alloc["curves"][key]):
                 exit_run = partial(realized_exit, r_max=r_max, criterion=criterion, threshold=point["threshold"])

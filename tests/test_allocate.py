@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
 from evaluate import load_windows, trace  # noqa: E402
-from model import load_checkpoint  # noqa: E402
+from model import GPT, load_checkpoint  # noqa: E402
 
 R_MAX = 6  # 2 x the tiny model's mean_loops
 
@@ -155,6 +155,9 @@ def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained
 def test_main_writes_json_table_and_plot(trained, monkeypatch):
     root, *_ = trained
     monkeypatch.chdir(root)
+    grad_modes = []  # every timed forward must run without autograd (a graph would slow it and hold memory)
+    forward = GPT.forward
+    monkeypatch.setattr(GPT, "forward", lambda *a, **k: grad_modes.append(torch.is_grad_enabled()) or forward(*a, **k))
     res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=5", "--batch_size=4", "--n_grid=4",
                          "--timing_reps=1", "--timing_windows=4", "--probe_steps=50", "--bootstrap=50", "--plot",
                          "--realized"])
@@ -176,6 +179,7 @@ def test_main_writes_json_table_and_plot(trained, monkeypatch):
         for r in rows:  # each row's loss is its allocation curve's point
             assert r["loss"] == saved["curves"][r["policy"]][r["point"]]["loss"]
     assert len(saved["per_window"]["A1"][0]) == 4 and len(saved["per_window"]["A1"][0][0]) == 6
+    assert grad_modes and not any(grad_modes)
 
 
 @pytest.mark.parametrize("args", [["--out_dir=nowhere"], ["--out_dir=out", "--r_max=-1"], ["--out_dir=out", "--r_max=2"],
