@@ -130,7 +130,8 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
         new_logits = model.readout(s_new, coda, pos, rows) if criterion == "kl" else None
         score = None
         if loop >= MIN_EXIT_LOOP:
-            score = score_after_loop(criterion, probe, s_new, s_old, new_logits, logits[where] if logits is not None else None)
+            old_logits = logits[where] if criterion == "kl" else None
+            score = score_after_loop(criterion, probe, s_new, s_old, new_logits, old_logits)
         core_evals += pos.numel()
         depth += active
         real_where = (rows[:, None].expand_as(pos)[real], pos[real])  # write back real tokens only
@@ -183,7 +184,8 @@ def fit_router(model, twins, C, r_max):
     so nothing about the evaluation windows places the sweeps. -> (probe, its report, grids)."""
     parts = []
     for i in range(0, len(twins), C.batch_size):
-        parts.append(trace(model, twins[i:i + C.batch_size, :-1], twins[i:i + C.batch_size, 1:], r_max, keep_states=True))
+        batch = twins[i:i + C.batch_size]
+        parts.append(trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True))
     harvest = {k: torch.cat([part[k] for part in parts], 1) for k in parts[0]}
     labels = harvest_labels(harvest["argmax"])[:-1].cpu()  # loop r_max has no later loop: nothing to predict
     states = harvest["state"][:-1].float().cpu()
@@ -327,7 +329,7 @@ def main(argv=()):
     mean = model.config.mean_loops
     r_max = C.r_max or default_r_max(model.config)
     if r_max < max(MIN_EXIT_LOOP, mean):
-        die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean}): the bar is uniform r = mean_loops")
+        die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean}), the bar's depth")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
     block = model.config.block_size
     wins = load_windows(os.path.join(data_dir, "val.bin"), meta["dtype"], C.windows, block + 1, C.seed).to(C.device)

@@ -124,7 +124,8 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
         s_new = model.core_step(e, s)
         logits = model.readout(s_new)
         rows["loss"].append(token_loss(logits, y))
-        rows["kl"].append(torch.full(y.shape, float("inf"), device=y.device) if prev is None else token_kl(logits, prev))
+        no_previous = torch.full(y.shape, float("inf"), device=y.device)  # loop 1 has nothing to compare with
+        rows["kl"].append(no_previous if prev is None else token_kl(logits, prev))
         rows["dstate"].append(state_change(s_new, s))
         rows["dstate_rel"].append(state_change(s_new, s, relative=True))
         rows["argmax"].append(logits.argmax(-1))
@@ -205,9 +206,11 @@ def print_tables(res):
           f"{cv['median_depth']:g}; {at_mean} of tokens still moving at loop {mean} (mean_loops); "
           f"{cv['percent_unconverged']:.1f}% still moving at loop {cv['diag_loops']} (depth {cv['diag_loops'] + 1})")
     print(f"\n## Depth by token class (convergence exit, KL < {tc['exit_threshold']:g}, {cv['init']} init)\n")
-    print(markdown(["class", "tokens", "mean exit depth"],
-                   [[r["class"], r["count"], "-" if r["mean_exit_depth"] is None else f"{r['mean_exit_depth']:.2f}"]
-                    for r in tc["rows"]] + [["all", res["windows"] * res["block_size"], f"{tc['mean_exit_depth']:.2f}"]]))
+    rows = []
+    for r in tc["rows"]:
+        rows.append([r["class"], r["count"], "-" if r["mean_exit_depth"] is None else f"{r['mean_exit_depth']:.2f}"])
+    rows.append(["all", res["windows"] * res["block_size"], f"{tc['mean_exit_depth']:.2f}"])
+    print(markdown(["class", "tokens", "mean exit depth"], rows))
     if c := res["ceiling"]:
         print(f"\n## Ceiling reference (same {res['windows']} windows)\n")
         print(markdown(["model", "loss per own token", "loss per byte", "tokens"],

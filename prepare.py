@@ -184,7 +184,10 @@ def load_tokenizer(data_dir):
     if meta["tokenizer"] != "gpt2":
         die(f"{data_dir}: no tokenizer.json and tokenizer {meta['tokenizer']!r} is not gpt2")
     import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
+    try:  # tiktoken downloads its files on first use, as prepare.py's --tokenizer gpt2 does
+        enc = tiktoken.get_encoding("gpt2")
+    except OSError as err:
+        die(f"{data_dir} uses tiktoken's gpt2, which needs network access to download ({type(err).__name__})")
     return lambda s: enc.encode(s, allowed_special={EOT}), lambda ids: enc.decode([int(i) for i in ids])
 
 

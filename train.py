@@ -161,8 +161,9 @@ def estimate_loss(model, C, data_dir, bin_dtype, ctx):
         g_data = torch.Generator().manual_seed(C.seed + 1)
         g_noise = torch.Generator(device=C.device).manual_seed(C.seed + 2)
         losses = []
+        path = os.path.join(data_dir, f"{split}.bin")
         for _ in range(C.eval_iters):
-            x, y = get_batch(os.path.join(data_dir, f"{split}.bin"), bin_dtype, C.batch_size, C.block_size, g_data, C.device)
+            x, y = get_batch(path, bin_dtype, C.batch_size, C.block_size, g_data, C.device)
             with ctx:
                 losses.append(model(x, y, loops=C.mean_loops, generator=g_noise)[1].item())
         out[split] = sum(losses) / len(losses)
@@ -275,7 +276,8 @@ def main(argv=()):
             bpb = ""
             if "val_bytes" in meta:  # bits per byte: comparable across tokenizers
                 bpb = f", val {losses['val'] * meta['val_tokens'] / meta['val_bytes'] / math.log(2):.4f} bits/byte"
-            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{bpb} (loops={C.mean_loops})")
+            log(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}{bpb} "
+                f"(loops={C.mean_loops})")
             if C.wandb_log and master:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
             if not (math.isfinite(losses["val"]) and all(p.isfinite().all() for p in raw_model.parameters())):
@@ -326,10 +328,12 @@ def main(argv=()):
         steps_since_log += 1
         if iter_num % C.log_interval == 0 and master:
             dt = time.perf_counter() - t0  # the steps since the last log line (or eval), each at its own depth
-            log(f"iter {iter_num}: loss {loss_val:.4f}, loops {loops:2d}, lr {lr:.2e}, {1000 * dt / steps_since_log:.0f} ms/iter, "
-                f"{tokens_per_iter * steps_since_log / dt:,.0f} tok/s, mfu {100 * flops_since_log / dt / peak / world:.1f}%")
+            tokens_per_s = tokens_per_iter * steps_since_log / dt
+            mfu = flops_since_log / dt / peak / world
+            log(f"iter {iter_num}: loss {loss_val:.4f}, loops {loops:2d}, lr {lr:.2e}, "
+                f"{1000 * dt / steps_since_log:.0f} ms/iter, {tokens_per_s:,.0f} tok/s, mfu {100 * mfu:.1f}%")
             if C.wandb_log:
-                wandb.log({"iter": iter_num, "train/step_loss": loss_val, "loops": loops, "tok_per_s": tokens_per_iter * steps_since_log / dt})
+                wandb.log({"iter": iter_num, "train/step_loss": loss_val, "loops": loops, "tok_per_s": tokens_per_s})
             t0, flops_since_log, steps_since_log = time.perf_counter(), 0.0, 0
         iter_num += 1
     if ddp:

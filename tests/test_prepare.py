@@ -482,6 +482,12 @@ def test_downloaded_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch,
         assert e.value.code == 2 and err.count("\n") == 1
         assert "needs network access" in err and "tokenizer.json" in err
     assert not Path("data/corpus").exists()
+    Path("data/gpt2set").mkdir(parents=True)  # a dataset prepared with gpt2 elsewhere, opened offline
+    Path("data/gpt2set/meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))
+    with pytest.raises(SystemExit) as e:
+        prepare.load_tokenizer("data/gpt2set")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "needs network access" in err
 
 
 def test_fineweb_sample_holds_what_is_asked():
