@@ -3,7 +3,7 @@
 # train.py prepares Shakespeare itself the first time) and its fixed-depth control, evaluate both,
 # run the allocation study with the timed uniform frontier, benchmark adaptive generation, and
 # collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
-#   ./study.sh                              out-shakespeare and out-shakespeare-fixed (~40 min on 2 cores)
+#   ./study.sh                              out-shakespeare and out-shakespeare-fixed (~50 min on 2 cores)
 #   ./study.sh out-mine config/mine.py      another run: its out_dir, then any train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
 # <run>_times.txt.
