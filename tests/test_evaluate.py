@@ -11,6 +11,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 import evaluate  # noqa: E402
+import plots  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
 from model import token_kl  # noqa: E402
@@ -147,6 +148,9 @@ def test_eval_json_schema_ranges_and_figures(indir, capsys):
     assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in tc["rows"])
     for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes"):
         assert Path(f"out-tiny/{name}.png").read_bytes()[:4] == b"\x89PNG"
+    plots.versus_fixed("out-tiny", "out-tiny", "vs_fixed.png")  # study.sh's figure: two eval.json files
+    assert Path("vs_fixed.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| 4 | " + f"{saved['elasticity'][2]['loss']:.4f}" in capsys.readouterr().out
 
 
 def test_diagnostic_pass_reproduces_the_training_path_loss(indir):
