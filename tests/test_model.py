@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import CKPT_FORMAT, GPT, GPTConfig, KVCache, load_checkpoint, state_change, token_kl
+import model as model_module
+from model import (CKPT_FORMAT, GPT, GPTConfig, KVCache, autocast, checkpoint_id, load_checkpoint, state_change,
+                   token_kl, training_memory)
 
 TINY = dict(vocab_size=50, block_size=16, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48,
             n_prelude=1, n_core=2, n_coda=1, mean_loops=3, max_loops=6, bptt_k=2)
@@ -37,8 +39,13 @@ def test_forward_shapes_every_depth(mode):
     model = tiny()
     idx = torch.randint(0, 50, (2, 16))
     for loops in range(1, model.config.max_loops + 1):
-        logits, loss = model(idx, idx, loops=loops, state_init=mode)
-        assert logits.shape == (2, 16, 50) and loss.dim() == 0 and torch.isfinite(loss)
+        none, loss = model(idx, idx, loops=loops, state_init=mode)  # training: the loss only, in chunks
+        assert none is None and loss.dim() == 0 and torch.isfinite(loss)
+        logits, none = model(idx, loops=loops, state_init=mode)
+        assert logits.shape == (2, 16, 50) and none is None
+        if mode == "zero":  # the same computation
+            ref = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+            torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):
         model(idx, loops=0)
     with pytest.raises(ValueError):
@@ -151,6 +158,72 @@ def test_token_kl_and_state_change():
     assert state_change(a, b).tolist() == [2.0, 2.0] and state_change(a, b, relative=True).tolist() == [1.0, 1.0]
 
 
+def test_bad_shapes_are_value_errors_naming_the_field():
+    for bad, message in (({"n_embd": 30, "n_head": 4}, "n_head=4 must divide n_embd=30"),
+                         ({"n_kv_head": 3}, "n_kv_head=3 must divide n_head"),
+                         ({"n_embd": 24, "n_head": 8, "n_kv_head": 1}, "head size n_embd / n_head = 3 must be even"),
+                         ({"mean_loops": 7}, "mean_loops=7 must be <= max_loops=6"),
+                         ({"n_head": 0}, "n_head=0: must be a positive int"),
+                         ({"block_size": -1}, "block_size=-1"),
+                         ({"n_embd": 32.0}, "n_embd=32.0"),
+                         ({"norm_eps": float("nan")}, "norm_eps=nan"),
+                         ({"rope_theta": float("inf")}, "rope_theta=inf"),
+                         ({"bptt_k": True}, "bptt_k=True")):
+        with pytest.raises(ValueError) as err:
+            GPTConfig(**(TINY | bad))
+        assert message in str(err.value)
+    GPTConfig(**(TINY | {"n_prelude": 0, "n_core": 0, "n_coda": 0, "state_std": 0.0}))  # allowed zeros (bench's
+    # dense twin has no core; train.py's rules refuse --n_core=0)
+    GPTConfig(**(TINY | {"n_embd": 24, "n_head": 4}))  # head size 6 is even
+
+
+def briefly_trained(steps=40):
+    """A tiny model trained on a learnable pattern under bf16 autocast, as train.py does on a GPU."""
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        seq = (torch.randint(0, 7, (8, 1), generator=g) + torch.arange(17)) % 7
+        seq = seq + 7 * torch.randint(0, 2, (8, 17), generator=g)
+        with autocast("cpu", "bfloat16"):
+            loss = model(seq[:, :16], seq[:, 1:], loops=int(torch.randint(1, 6, (), generator=g)))[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def test_bf16_autocast_keeps_the_recurrent_state_float32():
+    """Issue 17: under bf16 autocast only the matmuls run in bf16. The state s_i stays float32 at every loop, so
+    the convergence tail (state changes and KLs far below bf16's 2^-8 relative step) is not rounded away."""
+    model = briefly_trained()
+    idx = torch.randint(0, 14, (4, 16), generator=torch.Generator().manual_seed(1))
+    states, kls = [], []
+    with torch.no_grad(), autocast("cpu", "bfloat16"):
+        e = model.prelude(idx)
+        assert e.dtype == torch.float32
+        s = model.init_state(e, "zero")
+        prev = model.readout(s)
+        for _ in range(24):
+            s = model.core_step(e, s)
+            assert s.dtype == torch.float32
+            logits = model.readout(s)
+            kls.append(token_kl(logits, prev))
+            states.append(s)
+            prev = logits
+        assert model.core.blocks[0].attn.seen_dtypes == (torch.bfloat16,) * 3  # the matmuls did run in bf16
+    deep, before = states[-1], states[-2]
+    assert (deep.bfloat16().float() != deep).float().mean() > 0.5  # not values of bf16 numbers
+    delta = (deep - before).abs()
+    ulp = torch.exp2(torch.floor(torch.log2(deep.abs().clamp_min(1e-30))) - 7)  # bf16's step at each value
+    # a bf16 state could move by whole steps only; this one moves by less than half a step, and not by 0
+    assert ((delta > 0) & (delta < ulp / 2)).float().mean() > 0.25
+    assert state_change(deep, before, relative=True).mean() < state_change(states[3], states[2], True).mean() / 4
+    tail = torch.cat([kl.flatten() for kl in kls[-8:]])
+    assert tail.dtype == torch.float32 and tail.unique().numel() > tail.numel() // 2  # many distinct values
+    assert tail.median() < 1e-4 * kls[0].median() and (tail > 0).float().mean() > 0.5
+
+
 def test_rope_follows_query_dtype_under_bf16():
     model = tiny()
     idx = torch.randint(0, 50, (1, 16))
@@ -159,13 +232,54 @@ def test_rope_follows_query_dtype_under_bf16():
     assert model.core.blocks[0].attn.seen_dtypes == (torch.bfloat16,) * 3
 
 
+def test_chunked_loss_equals_one_cross_entropy_with_its_gradient(monkeypatch):
+    monkeypatch.setattr(model_module, "LOGITS_CHUNK", 50 * 7)  # 7 tokens a chunk: 5 chunks for 32 tokens
+    model = tiny()
+    x = torch.randn(32, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (32,))
+    targets[[3, 20]] = -1  # ignored, and not counted in the mean
+    loss = model.chunked_loss(x, targets)
+    (gx, gw) = torch.autograd.grad(loss, (x, model.lm_head.weight))
+    ref = F.cross_entropy(model.lm_head(x), targets, ignore_index=-1)
+    (rx, rw) = torch.autograd.grad(ref, (x, model.lm_head.weight))
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+
+
 def test_flops_per_token_counts_grad_loops_three_times():
     model = tiny()
     cfg = model.config
-    core = sum(p.numel() for p in model.core.parameters())
+    core = sum(p.numel() for p in model.core.parameters() if p.dim() == 2)  # matmul weights: norms are not counted
     per_loop_fwd = 2 * core + 4 * 16 * cfg.n_embd * cfg.n_core
     assert model.flops_per_token(5, 2, 16) - model.flops_per_token(4, 2, 16) == per_loop_fwd
     assert model.flops_per_token(4, 3, 16) - model.flops_per_token(4, 2, 16) == 2 * per_loop_fwd
+    prelude, core_loop, readout = model.flop_terms(16)
+    assert core_loop == per_loop_fwd and prelude > 0 and readout > 2 * 50 * 32  # the head is in the readout
+    assert model.flops_per_token(4, 2, 16) == 3 * (prelude + readout) + (3 * 2 + 2) * core_loop
+    # inference: each loop and readout once, and the exit tests' own cost
+    assert model.inference_flops(4, 1, 16) == prelude + 4 * core_loop + readout
+    assert model.inference_flops(4, 2, 16, tests=3, criterion="kl") == prelude + 4 * core_loop + 2 * readout + 3 * 8 * 50
+    assert model.inference_flops(4, 1, 16, tests=2, criterion="state") - model.inference_flops(4, 1, 16) == 2 * 6 * 32
+
+
+def test_training_memory_counts_what_the_micro_step_keeps():
+    cfg = GPTConfig(**TINY)
+    one, two = training_memory(cfg, 1, "float32"), training_memory(cfg, 2, "float32")
+    n_params = sum(p.numel() for p in tiny().parameters())
+    assert one["weights"] == one["gradients"] == 4 * n_params and one["adamw"] == 8 * n_params
+    assert one["total"] == sum(v for k, v in one.items() if k != "total")
+    assert 1.9 < two["activations"] / one["activations"] < 2.1  # linear in the micro-batch
+    assert training_memory(cfg, 2, "bfloat16")["activations"] < two["activations"]  # bf16 matmul outputs
+    deeper = GPTConfig(**(TINY | {"bptt_k": 4}))
+    assert training_memory(deeper, 1, "float32")["activations"] > one["activations"]  # more loops keep more
+
+
+def test_training_memory_counts_at_most_max_loops_grad_loops():
+    """No step runs more than max_loops loops, so no step keeps more than min(bptt_k, max_loops) loops' activations."""
+    at_max = training_memory(GPTConfig(**(TINY | {"bptt_k": 6})), 2, "float32")
+    beyond = training_memory(GPTConfig(**(TINY | {"bptt_k": 12})), 2, "float32")
+    assert beyond == at_max
 
 
 def a_checkpoint(**changes):
@@ -192,8 +306,13 @@ def bad_weights(kind):
 
 @pytest.mark.parametrize("case, message", [
     ("empty", "(0 bytes) is not a readable checkpoint"),
-    ("no_model", "has the format marker but no model"),
-    ("no_rng_no_optimizer", "but no optimizer, rng"),
+    ("no_model", "its 'model' is missing or not a dict"),
+    ("no_rng_no_optimizer", "its 'optimizer' is missing or not a dict"),
+    ("model_args_a_string", "its 'model_args' is missing or not a dict"),
+    ("iter_num_a_float", "its 'iter_num' is missing or not a int"),
+    ("missing_shape_field", "n_embd"),
+    ("non_positive_size", "n_embd=0"),
+    ("bool_size", "n_core=True"),
     ("nan", "has non-finite weights (core.adapter.weight"),
     ("inf", "has non-finite weights (wte.weight"),
     ("missing", "its weights do not fit its model_args"),
@@ -207,6 +326,16 @@ def test_bad_checkpoints_are_one_line(tmp_path, capsys, case, message):
         torch.save(a_checkpoint(model=None), path)
     elif case == "no_rng_no_optimizer":
         torch.save(a_checkpoint(rng=None, optimizer=None), path)
+    elif case == "model_args_a_string":
+        torch.save(a_checkpoint(model_args=str(TINY)), path)
+    elif case == "iter_num_a_float":
+        torch.save(a_checkpoint(iter_num=7.0), path)
+    elif case == "missing_shape_field":  # not silently the default width (whose weights then do not fit)
+        torch.save(a_checkpoint(model_args={k: v for k, v in TINY.items() if k != "n_embd"}), path)
+    elif case == "non_positive_size":
+        torch.save(a_checkpoint(model_args=TINY | {"n_embd": 0}), path)
+    elif case == "bool_size":
+        torch.save(a_checkpoint(model_args=TINY | {"n_core": True}), path)
     else:
         torch.save(a_checkpoint(model=bad_weights(case)), path)
     with pytest.raises(SystemExit) as err:
@@ -219,8 +348,37 @@ def test_a_good_checkpoint_loads_and_cuda_without_a_gpu_is_the_devices_fault(tmp
     torch.save(a_checkpoint(), tmp_path / "ckpt.pt")
     model, ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert ckpt["iter_num"] == 7 and not model.training
+    assert checkpoint_id(ckpt) == "unnamed@7"
+    assert checkpoint_id(ckpt | {"config": {"run_id": "abc"}}) == "abc@7"
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     with pytest.raises(SystemExit):
         load_checkpoint(str(tmp_path / "ckpt.pt"), "cuda")
-    assert "no CUDA GPU is available" in capsys.readouterr().err
+    assert "this machine has 0 CUDA GPU(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the device's fault even when the file is missing
+        load_checkpoint(str(tmp_path / "missing.pt"), "cuda:1")
+    assert "this machine has 0 CUDA GPU(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.9, 0.999])
+def test_truncated_checkpoint_is_one_line_without_unsafe_advice(tmp_path, capsys, keep):
+    whole = tmp_path / "whole.pt"
+    torch.save(a_checkpoint(), whole)
+    data = whole.read_bytes()
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(str(path))
+    text = capsys.readouterr().err
+    assert err.value.code == 2 and text.count("\n") == 1 and "is not a readable checkpoint" in text, text
+    assert "weights_only=False" not in text
+
+
+def test_a_checkpoint_a_safe_load_refuses_is_one_line_without_unsafe_advice(tmp_path, capsys):
+    path = tmp_path / "ckpt.pt"
+    torch.save(a_checkpoint(config={"dataset": "tiny", "path": tmp_path}), path)  # a PosixPath: not a safe type
+    with pytest.raises(SystemExit) as err:
+        load_checkpoint(str(path))
+    text = capsys.readouterr().err
+    assert err.value.code == 2 and text.count("\n") == 1 and "objects a safe load refuses" in text, text
+    assert "weights_only" not in text

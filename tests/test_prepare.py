@@ -4,9 +4,12 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -408,6 +411,9 @@ def _prepare_forever():
         time.sleep(0.02)
     os.replace = slow_replace
     sys.stdout = sys.stderr = open(os.devnull, "w")
+    # tqdm's default lock is a semaphore shared across fork: killed while holding it, this child
+    # would leave the parent's next progress bar waiting forever
+    prepare.tqdm.set_lock(threading.RLock())
     for i in range(10 ** 6):
         prepare.main(["corpus", "--tokenizer", f"bpe:{280 + i % 2 * 20}"])
 
@@ -507,3 +513,176 @@ def test_ctrl_c_is_one_line_and_keeps_the_dataset(txt_corpus, monkeypatch, capsy
         configurator.run(prepare.main)
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
     assert Path("data/corpus/train.bin").read_bytes() == before
+
+
+# ----------------------------------------------------------------------------- data safety
+
+def test_a_users_old_directory_is_never_deleted(txt_corpus, capsys):
+    """data/.<name>.old is removed only when it holds prepare.py's outputs, like data/<name> and .tmp."""
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    before = Path("data/corpus/meta.json").read_text()
+    Path("data/.corpus.old").mkdir()
+    Path("data/.corpus.old/precious.txt").write_text("x")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["corpus", "--tokenizer", "bpe:280"])
+    assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+    assert Path("data/.corpus.old/precious.txt").read_text() == "x"
+    assert Path("data/corpus/meta.json").read_text() == before
+    shutil.rmtree("data/corpus")  # with data/<name> gone, the user's .old is not "put back" either
+    with pytest.raises(SystemExit):
+        prepare.main(["corpus", "--tokenizer", "bpe:280"])
+    assert Path("data/.corpus.old/precious.txt").read_text() == "x" and not Path("data/corpus").exists()
+
+
+def consistent(name):
+    """meta.json's fingerprints match the files beside it."""
+    d = Path("data") / name
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["data_sha256"] == prepare.fingerprint([d / "train.bin", d / "val.bin"])
+    assert meta["tokenizer_sha256"] == hashlib.sha256((d / "tokenizer.json").read_bytes()).hexdigest()
+    return meta
+
+
+def test_two_concurrent_runs_on_one_name_never_mix(workdir):
+    """Two real processes on --name mix, started 0.2 s apart with different corpora, each long enough
+    to tokenize that their writes overlap: the second is refused in one line while the first holds
+    data/.mix.lock (or both finish, one after the other), and data/mix ends whole, from one run."""
+    Path("seed").mkdir()
+    for i, doc in enumerate(make_docs(10)):
+        Path(f"seed/doc{i:02d}.txt").write_text(doc, encoding="utf-8")
+    prepare.main(["seed", "--tokenizer", "bpe:300"])  # one tokenizer for both: no BPE to train
+    corpora = {}
+    for seed, corpus in enumerate(("a", "b")):
+        corpora[corpus] = [f"corpus {corpus}: {doc}" * 20 for doc in make_docs(300, seed=10 + seed)]
+        Path(corpus).mkdir()
+        for i, doc in enumerate(corpora[corpus]):
+            Path(corpus, f"doc{i:03d}.txt").write_text(doc, encoding="utf-8")
+    runs = []
+    for corpus in ("a", "b"):
+        cmd = [sys.executable, str(ROOT / "prepare.py"), corpus, "--name", "mix",
+               "--tokenizer", "data/seed/tokenizer.json"]
+        runs.append(subprocess.Popen(cmd, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}))
+        time.sleep(0.2)
+    results = [(run.communicate(timeout=120)[1], run.returncode) for run in runs]
+    for err, code in results:
+        assert "Traceback" not in err
+        assert code == 0 or (code == 2 and "error: another prepare.py is writing data/mix" in err)
+    assert 0 in [code for _, code in results]
+    consistent("mix")
+    _, bins = read_dataset("mix")
+    _, decode = prepare.load_tokenizer("data/mix")
+    train = decode(bins["train"])
+    assert train in ["".join(doc + EOT for doc in corpora[c][:270]) for c in ("a", "b")]
+
+
+def test_a_held_lock_refuses_a_second_run_at_once(txt_corpus, capsys, monkeypatch):
+    import fcntl
+    Path("data").mkdir()
+    with open("data/.corpus.lock", "a") as held:  # another run's lock (flock: per open file, even here)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as e:
+            prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "another prepare.py" in err
+    assert os.listdir("data") == [".corpus.lock"]  # nothing was started
+    with pytest.raises(SystemExit):  # a run that dies lets go of its lock...
+        prepare.main(["corpus", "--tokenizer", "bpe:100000000000"])
+    with pytest.raises(SystemExit):
+        prepare.main(["corpus", "--tokenizer", "no-such.json"])
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])  # ...so the next one runs
+    consistent("corpus")
+
+
+def test_open_dataset_refuses_bins_changed_since_prepare(txt_corpus, capsys):
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    assert prepare.open_dataset("corpus")[1] == read_dataset("corpus")[0]
+    with open("data/corpus/val.bin", "ab") as f:
+        f.write(b"\0\0")
+    capsys.readouterr()
+    for splits in (("train", "val"), ("val",)):
+        with pytest.raises(SystemExit) as e:
+            prepare.open_dataset("corpus", splits=splits)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "data/corpus" in err
+
+
+def test_unwritable_data_fails_before_tokenizing(txt_corpus, capsys, monkeypatch):
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized before finding data/ unwritable")
+    monkeypatch.setattr(prepare, "get_tokenizer", no_tokenizing)
+    Path("data").write_text("a regular file: nothing can be made under it, even by root")
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "data/" in err
+
+
+def test_read_only_data_fails_before_tokenizing(txt_corpus, capsys, monkeypatch):
+    prepare.main(["corpus", "--tokenizer", "bpe:300", "--name", "done"])  # its lock file stays in data/
+    os.chmod("data", 0o555)
+    try:
+        if os.access("data", os.W_OK):
+            pytest.skip("chmod does not stop this user (root) from writing")
+        monkeypatch.setattr(prepare, "get_tokenizer", lambda *a: pytest.fail("tokenized"))
+        for name in ("corpus", "done"):  # a new lock file, or an old one in a read-only data/
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                prepare.main(["corpus", "--tokenizer", "bpe:300", "--name", name])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and err.count("\n") == 1
+    finally:
+        os.chmod("data", 0o755)
+
+
+# ----------------------------------------------------------------------------- messages, bad input
+
+def test_a_file_that_is_not_utf8_is_named(txt_corpus, capsys):
+    Path("corpus/doc05.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["corpus"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "corpus/doc05.txt" in err and "not UTF-8" in err
+
+
+def test_a_tokenizer_json_that_does_not_parse_is_one_line(txt_corpus, capsys):
+    for text in ("{not json", '{"model": 1}', ""):
+        Path("bad.json").write_text(text)
+        with pytest.raises(SystemExit) as e:
+            prepare.main(["corpus", "--tokenizer", "bad.json"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "bad.json" in err
+    assert not Path("data/corpus").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--name", " "], ["--name", ""], ["--name", "  corpus"], ["--name", "corpus\t"], ["--name", "a\nb"],
+    ["--name", "."], ["--name", "a/b"],
+    ["--val_fraction", "nan"], ["--val_fraction", "inf"], ["--val_fraction", "-inf"], ["--val_fraction", "-0.1"],
+    ["--val_fraction", "x"], ["--val_fraction", "1"], ["--max_tokens", "-5"], ["--max_tokens", "nan"],
+    ["--max_tokens", "inf"], ["--max_tokens", "1.5"], ["--max_tokens", ""],
+    ["--tokenizer", "bpe:-300"], ["--tokenizer", "bpe:3e2"], ["--tokenizer", "bpe:³⁰⁰"], ["--tokenizer", "bpe:"],
+    ["--tokenizer", "bpe:99999999999999999999999"], ["--no_such_flag"], ["a", "b"],
+])
+def test_bad_arguments_are_one_line(txt_corpus, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["corpus", *argv] if argv[0].startswith("-") else argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    assert not Path("data").exists() or os.listdir("data") == []
+
+
+def test_a_corpus_too_small_to_train_on_is_warned_about(workdir, capsys):
+    Path("ten.txt").write_text("0123456789")
+    prepare.main(["ten.txt", "--tokenizer", "bpe:300"])
+    meta = consistent("ten")
+    assert meta["train_tokens"] < 1000
+    err = capsys.readouterr().err
+    assert "warning:" in err and "block_size" in err
+
+
+def test_the_docstring_names_the_default_tokenizer():
+    assert "1024-entry BPE" in prepare.__doc__ and "4096" not in prepare.__doc__
+    assert prepare.parse_args([]).tokenizer == "bpe:1024"

@@ -2,15 +2,13 @@
 # A 1024-entry BPE, c3's narrower model, 650 steps.
 # First: python prepare.py --tokenizer bpe:1024 --name shakespeare_bpe1024
 # Then:  python train.py config/search/c4.py
-out_dir = "out-c4"
-dataset = "shakespeare_bpe1024"
+# every other setting is train.py's default (the CPU default, which is c5)
+out_dir = 'out-c4'
+dataset = 'shakespeare_bpe1024'
 n_embd = 128
 n_head = 4
-n_kv_head = 1
 ffn_hidden = 384
-n_prelude = 1
 n_core = 2
-n_coda = 1
 mean_loops = 4
 max_loops = 16
 bptt_k = 4

@@ -3,21 +3,12 @@
 # two core blocks looped 4 times on average.
 # First: python prepare.py --tokenizer bpe:4096 --name shakespeare_bpe4096
 # Then:  python train.py config/search/old_default.py
-out_dir = "out-old_default"
-dataset = "shakespeare_bpe4096"
-n_embd = 192
-n_head = 3
-n_kv_head = 1
-ffn_hidden = 512
-n_prelude = 1
+# every other setting is train.py's default (the CPU default, which is c5)
+out_dir = 'out-old_default'
+dataset = 'shakespeare_bpe4096'
 n_core = 2
-n_coda = 1
 mean_loops = 4
 max_loops = 16
 bptt_k = 4
-block_size = 512
-batch_size = 8
-learning_rate = 0.002
-min_lr = 0.0002
 max_iters = 300
 eval_interval = 50
