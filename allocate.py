@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import configure, die, run
-from evaluate import load_windows, markdown, token_loss, trace
+from evaluate import load_windows, markdown, trace
 from model import (MIN_EXIT_LOOP, autocast, checkpoint_id, default_r_max, exit_score, load_checkpoint,
-                   write_json)
+                   token_loss, write_json)
 from prepare import open_dataset
 
 # ---- settings ------------------------------------------------------------------------

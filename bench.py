@@ -24,9 +24,9 @@ import torch._dynamo.utils
 import train
 from allocate import estimate, realized_exit, show
 from configurator import configure, die, run
-from evaluate import load_windows, markdown, token_loss
+from evaluate import load_windows, markdown
 from model import (GPT, GPTConfig, autocast, check_device, checkpoint_id, config_or_die, load_checkpoint,
-                   training_memory, write_json)
+                   token_loss, training_memory, write_json)
 from prepare import open_dataset
 from sample import generate, greedy, initial_states
 

@@ -19,15 +19,13 @@ import math
 import os
 import time
 import unicodedata
-from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import configure, die, run
-from model import LOGITS_CHUNK, autocast, checkpoint_id, load_checkpoint, state_change, token_kl, write_json
+from model import autocast, checkpoint_id, load_checkpoint, state_change, token_kl, token_loss, write_json
 from prepare import load_tokenizer, open_dataset
 
 # ---- settings ------------------------------------------------------------------------
@@ -129,22 +127,6 @@ def sweep_point(model, wins, r, C, ctx):
     return dict(loops=r, loss=loss, ppl=ppl, tokens_per_s=speed)
 
 
-def by_chunks(fn, logits, other):
-    """fn(float32 rows of logits, rows of other), LOGITS_CHUNK logits at a time:
-    (..., V) -> (...). S1's 8 x 2048 x 49,152 logits take 3.2 GB per float32
-    copy, and a softmax of them all would hold several."""
-    rows = max(1, LOGITS_CHUNK // logits.size(-1))
-    mine = logits.flatten(0, -2).split(rows)
-    theirs = other.flatten(0, logits.dim() - 2).split(rows)
-    parts = [fn(a.float(), b) for a, b in zip(mine, theirs)]
-    return torch.cat(parts).view(logits.shape[:-1])
-
-
-def token_loss(logits, y):
-    """Per-token cross-entropy, shaped like y, in float32 whatever the autocast."""
-    return by_chunks(partial(F.cross_entropy, reduction="none"), logits, y)
-
-
 @torch.no_grad()
 def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
     """Every token of x (B, T) through n_loops loops (the per-loop API). Per loop
@@ -160,7 +142,7 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
         s_new = model.core_step(e, s)
         logits = model.readout(s_new)
         rows["loss"].append(token_loss(logits, y))
-        kl = first if prev is None else by_chunks(token_kl, logits, prev)
+        kl = first if prev is None else token_kl(logits, prev)
         rows["kl"].append(kl)
         rows["dstate"].append(state_change(s_new, s))
         rows["dstate_rel"].append(state_change(s_new, s, relative=True))

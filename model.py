@@ -362,17 +362,29 @@ def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
     return state_change(s_new, s_old, relative=True)
 
 
+def by_chunks(fn, logits, other):
+    """fn(float32 rows of logits, rows of other), LOGITS_CHUNK logits at a time: (..., V) ->
+    (...). S1's (8, 2048, 49152) float32 logits are 3.2 GB a copy; a softmax holds several."""
+    rows = max(1, LOGITS_CHUNK // logits.size(-1))
+    mine = logits.flatten(0, -2).split(rows)
+    theirs = other.flatten(0, logits.dim() - 2).split(rows)
+    return torch.cat([fn(a.float(), b) for a, b in zip(mine, theirs)]).view(logits.shape[:-1])
+
+
+def kl_rows(logp_logits, logq_logits):
+    logp = F.log_softmax(logp_logits, -1)
+    logq = F.log_softmax(logq_logits.float(), -1)
+    return F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)
+
+
 def token_kl(logits_p, logits_q):
-    """Per-token KL(p || q) in float32 from log-softmax, exactly 0 where p == q; a chunk of tokens
-    at a time, so S1's (8, 2048, 49152) float32 temporaries never exist whole."""
-    V = logits_p.size(-1)
-    chunk = max(1, LOGITS_CHUNK // V)
-    parts = []
-    for p, q in zip(logits_p.reshape(-1, V).split(chunk), logits_q.reshape(-1, V).split(chunk)):
-        logp = F.log_softmax(p.float(), -1)
-        logq = F.log_softmax(q.float(), -1)
-        parts.append(F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1))
-    return torch.cat(parts).view(logits_p.shape[:-1]).clamp_min(0.0)
+    """Per-token KL(p || q) in float32 from log-softmax; exactly 0 where p == q."""
+    return by_chunks(kl_rows, logits_p, logits_q).clamp_min(0.0)
+
+
+def token_loss(logits, y):
+    """Per-token cross-entropy, shaped like y, in float32 whatever the autocast dtype."""
+    return by_chunks(lambda rows, targets: F.cross_entropy(rows, targets, reduction="none"), logits, y)
 
 
 def state_change(s_new, s_old, relative=False):

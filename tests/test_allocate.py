@@ -13,9 +13,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
-from evaluate import load_windows, token_loss, trace  # noqa: E402
+from evaluate import load_windows, trace  # noqa: E402
+from model import token_loss  # noqa: E402
 from model import autocast  # noqa: E402
-from model import GPT, load_checkpoint  # noqa: E402
+from model import load_checkpoint  # noqa: E402
 
 R_MAX = 6  # 2 x the tiny model's mean_loops
 
@@ -60,17 +61,22 @@ def write_byte_dataset(root):
                                              "dtype": "uint16", "train_tokens": len(ids) - n_val, "val_tokens": n_val}))
 
 
+def train_tiny(root, steps, loops):
+    """data/tiny and out/ckpt.pt under root: a width-32 model trained for `steps` on it."""
+    write_byte_dataset(root)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        train.main(["--dataset=tiny", "--out_dir=out", f"--max_iters={steps}", "--n_embd=32", "--n_head=2",
+                    "--n_kv_head=1", "--ffn_hidden=64", "--block_size=32", "--batch_size=8",
+                    f"--eval_interval={steps}", "--eval_iters=1", "--compile=False", "--learning_rate=5e-3",
+                    "--log_interval=1000"] + loops)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny model trained for 60 steps (converged enough for the exits to mean something), its dir and data."""
     root = tmp_path_factory.mktemp("alloc")
-    write_byte_dataset(root)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.chdir(root)
-        train.main(["--dataset=tiny", "--out_dir=out", "--max_iters=60", "--n_embd=32", "--n_head=2", "--n_kv_head=1",
-                    "--ffn_hidden=64", "--block_size=32", "--batch_size=8", "--eval_interval=60", "--eval_iters=1",
-                    "--compile=False", "--n_core=2", "--mean_loops=3", "--max_loops=8", "--bptt_k=4",
-                    "--learning_rate=5e-3", "--log_interval=1000"])
+    train_tiny(root, 60, ["--n_core=2", "--mean_loops=3", "--max_loops=8", "--bptt_k=4"])
     model, _ = load_checkpoint(str(root / "out" / "ckpt.pt"))
     wins = load_windows(str(root / "data/tiny/val.bin"), "uint16", 8, 33, 0)
     return root, model, wins[:, :-1], wins[:, 1:].contiguous()

@@ -1,7 +1,6 @@
 """Tests for bench.py: the FLOP counts it reports, the dense twin's sizing, and one tiny end-to-end run."""
 import json
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -107,15 +106,11 @@ def test_realization_from_a_fake_timing_table():
 def allocated(tmp_path_factory):
     """A tiny trained checkpoint and its allocate.json (the test_allocate recipe, smaller)."""
     import allocate
-    from test_allocate import write_byte_dataset
+    from test_allocate import train_tiny
     root = tmp_path_factory.mktemp("frontier")
-    write_byte_dataset(root)
+    train_tiny(root, 30, ["--mean_loops=2", "--max_loops=4", "--bptt_k=2"])
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
-        train.main(["--dataset=tiny", "--out_dir=out", "--max_iters=30", "--n_embd=32", "--n_head=2",
-                    "--n_kv_head=1", "--ffn_hidden=64", "--block_size=32", "--batch_size=8", "--eval_interval=30",
-                    "--eval_iters=1", "--compile=False", "--mean_loops=2", "--max_loops=4", "--bptt_k=2",
-                    "--learning_rate=5e-3", "--log_interval=1000"])
         allocate.main(["--out_dir=out", "--windows=40", "--train_windows=4", "--batch_size=4", "--n_grid=2",
                        "--probe_steps=20", "--bootstrap=20"])
     return root

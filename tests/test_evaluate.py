@@ -297,19 +297,6 @@ def test_help_lists_every_setting_and_exits_0():
     assert "fixed-depth control" in out.stdout  # each setting's comment
 
 
-def test_chunked_loss_and_kl_equal_the_whole(monkeypatch):
-    """token_loss and the trace's KL go a few tokens at a time (S1's logits do not fit whole)."""
-    logits, prev = torch.randn(2, 2, 7, 300)
-    y = torch.randint(300, (2, 7))
-    whole_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-    whole_kl = token_kl(logits, prev)
-    monkeypatch.setattr(evaluate, "LOGITS_CHUNK", 3 * 300)  # 3 tokens per chunk: 5 chunks, the last short
-    assert torch.allclose(evaluate.token_loss(logits, y), whole_loss.view(2, 7))
-    assert torch.equal(evaluate.by_chunks(token_kl, logits, prev), whole_kl)
-    half = logits.bfloat16()  # bf16 logits: the softmax still in float32
-    assert evaluate.token_loss(half, y).dtype == torch.float32
-
-
 def test_bfloat16_gives_finite_numbers_close_to_float32(indir):
     full = evaluate.main(FAST + ["--loops=4"])
     half = evaluate.main(FAST + ["--loops=4", "--dtype=bfloat16"])

@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_lib
+
 import model as model_module
 from model import (CKPT_FORMAT, GPT, GPTConfig, KVCache, autocast, checkpoint_id, load_checkpoint, state_change,
                    token_kl, training_memory)
@@ -382,3 +384,16 @@ def test_a_checkpoint_a_safe_load_refuses_is_one_line_without_unsafe_advice(tmp_
     text = capsys.readouterr().err
     assert err.value.code == 2 and text.count("\n") == 1 and "objects a safe load refuses" in text, text
     assert "weights_only" not in text
+
+
+def test_chunked_loss_and_kl_equal_the_whole(monkeypatch):
+    """token_loss and token_kl go a few tokens at a time (S1's logits do not fit whole)."""
+    logits, prev = torch.randn(2, 2, 7, 300)
+    y = torch.randint(300, (2, 7))
+    whole_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+    whole_kl = model_lib.token_kl(logits, prev)
+    monkeypatch.setattr(model_lib, "LOGITS_CHUNK", 3 * 300)  # 3 tokens per chunk: 5 chunks, the last short
+    assert torch.allclose(model_lib.token_loss(logits, y), whole_loss.view(2, 7))
+    assert torch.equal(model_lib.token_kl(logits, prev), whole_kl)
+    half = logits.bfloat16()  # bf16 logits: the softmax still in float32
+    assert model_lib.token_loss(half, y).dtype == torch.float32
