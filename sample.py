@@ -1,18 +1,13 @@
 """
-Sampling with KV caches at a fixed or per-token adaptive depth, batched
-continuously (each core call runs every token still looping, at its loop):
+Sampling with KV caches at a fixed or per-token adaptive depth, batched continuously (each
+core call runs every token still looping, at its loop), past block_size (the crop and K/V
+rules: README.md, "Generation past block_size"):
     python sample.py --exit kl --start FILE:prompt.txt
-Crop rule: a context holds at most block_size tokens (of a prompt: the last).
-Before a token is fed to a full context, the context's last block_size // 2
-tokens are prefilled again at `loops` (positions 0..), then it follows them.
-K/V rule, for a token that ran n loops: --cache exact keeps a slot per (loop,
-sequence); a later token at loop i reads its loop min(i, n) (as allocate.py).
---cache latest (Huginn's) keeps loop n in one slot: r_max x less memory.
 """
-import os
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +27,7 @@ loops = 0  # per token (adaptive: prefills'); 0: mean_loops
 exit = "none"  # 'none' (fixed depth), 'kl' or 'state'
 exit_threshold = 1e-3  # a token stops below it
 r_max = 0  # adaptive: the deepest loop; 0: 2 x mean_loops
-cache = "exact"  # or 'latest' (see above)
+cache = "exact"  # a slot per loop; or 'latest' (Huginn's): r_max x less memory
 state_init = "noise"  # 'noise' (as trained) or 'zero'
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
@@ -106,10 +101,9 @@ def prefill(model, caches, out, s0, seqs, cols, loops):
     rows = slots(caches["prelude"], B, seqs, 0)
     e = model.prelude(out[seqs[:, None], cols], caches["prelude"], pos, rows)
     s = s0[seqs[:, None], cols]
-    per_loop = len(coda[0].k) > B  # exact KL: read at every loop
     for loop in range(loops):
         s = model.core_step(e, s, core, pos, slots(core, B, seqs, loop))
-        if per_loop or loop == loops - 1:
+        if loop == loops - 1 or len(coda[0].k) > B:  # exact KL: read at every loop
             logits = model.readout(s, coda, pos, slots(coda, B, seqs, loop))
     if len(core[0].k) > loops * B:  # exact: deeper loops to share
         share_latest(core + coda, B, seqs, pos, torch.full_like(seqs, loops))
@@ -143,9 +137,8 @@ def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
 @torch.no_grad()
 def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
              r_max=0, on_token=None, cache="exact"):
-    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d): pick(logits
-    (n, V), seqs (n,)) -> (n,), then on_token(out, n_made, seqs). Exits: after
-    loop >= 2 once score < threshold. -> (out, loops per fed token, seconds)."""
+    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d); pick(logits (n, V), seqs (n,)) -> (n,),
+    then on_token(out, n_made, seqs). -> (out, each row's loops per fed token, seconds after prefill)."""
     B, T0 = idx.shape
     block, half = model.config.block_size, model.config.block_size // 2
     r_max = loops if exit == "none" else r_max  # the deepest loop
@@ -155,9 +148,8 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
     loop = idx.new_zeros(B)  # loops of each token in flight
     e = s0.new_zeros(B, 1, s0.size(-1))  # its prelude output
     s = torch.zeros_like(e)  # its state
-    V = model.config.vocab_size if exit == "kl" else 0  # 0: gathers free
-    kl = s0.new_zeros(B, V)  # its last logits
-    depths = [[] for _ in range(B)]
+    kl = s0.new_zeros(B, model.config.vocab_size if exit == "kl" else 0)  # its last logits
+    depths = idx.new_zeros(B, n_new - 1)  # loops each fed token ran
     seqs = torch.arange(B, device=idx.device)
     cols = torch.arange(max(0, T0 - block), T0, device=idx.device)
     logits = prefill(model, caches, out, s0, seqs, cols.expand(B, -1), loops)
@@ -171,7 +163,7 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
                 on_token(out, n_made, seqs)
             seqs = seqs[n_made[seqs] < n_new]  # the last one is never fed
         full = seqs[pos[seqs] + 1 == block]
-        if len(full):  # refill: the last `half` again
+        if len(full):  # prefill their last `half` tokens again
             cols = T0 + n_made[full, None] - 1 - half + torch.arange(half, device=idx.device)
             prefill(model, caches, out, s0, full, cols, loops)
             pos[full] = half - 1
@@ -184,10 +176,9 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
             s[seqs] = s0[seqs, j, None]
         flying = (n_made < n_new).nonzero()[:, 0]
         if len(flying) == 0:
-            return out, depths, time.perf_counter() - t0
+            return out, depths.tolist(), time.perf_counter() - t0
         seqs, logits = step(model, caches, flying, e, s, pos, loop, kl, exit, threshold, r_max)
-        for b, n in zip(seqs.tolist(), loop[seqs].tolist()):
-            depths[b].append(n)
+        depths[seqs, n_made[seqs] - 1] = loop[seqs]
 
 
 def stream(decode, ids, shown):
@@ -201,7 +192,7 @@ def stream(decode, ids, shown):
 
 def main(argv=()):
     C, _ = configure(globals(), RULES, list(argv))
-    path = os.path.join(C.out_dir, "ckpt.pt")
+    path = Path(C.out_dir) / "ckpt.pt"
     model, ckpt = load_checkpoint(path, C.device)
     loops = C.loops or model.config.mean_loops
     r_max = C.r_max or default_r_max(model.config)
@@ -211,15 +202,12 @@ def main(argv=()):
     text = C.start
     if text.startswith("FILE:"):
         try:
-            with open(text[5:], encoding="utf-8") as f:
-                text = f.read()
+            text = Path(text[5:]).read_text(encoding="utf-8")
         except (OSError, UnicodeError) as err:
             die(f"--start {text}: {err}")
-    if not text:
-        die("--start: the prompt is empty")
     ids = encode(text)
-    if decode(ids) != text:
-        die("--start: the tokenizer cannot encode it exactly")
+    if not ids or decode(ids) != text:
+        die("--start: the prompt is empty or the tokenizer cannot encode it exactly")
     n, n_new = C.num_samples, C.max_new_tokens
     s0 = initial_states(model, n, len(ids) + n_new, C.state_init, C.seed, C.device)
     gens = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
@@ -228,9 +216,7 @@ def main(argv=()):
 
     def on_token(out, n_made, seqs):  # streams sequence 0
         nonlocal shown
-        if 0 in seqs.tolist():
-            shown = stream(decode, out[0, :len(ids) + n_made[0]].tolist(), shown)
-
+        shown = stream(decode, out[0, :len(ids) + n_made[0]].tolist(), shown)
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
         out, depths, seconds = generate(model, idx, n_new, loops, s0, pick, C.exit,
@@ -238,8 +224,7 @@ def main(argv=()):
     for row in range(n):
         text = decode(out[row].tolist())
         print(text[len(shown):] if row == 0 else text, end="\n---------------\n")
-    rate = n * n_new / seconds  # after the prefill
-    print(f"{rate:.1f} tokens/s, {C.cache} cache, {C.dtype}", file=sys.stderr)
+    print(f"{n * n_new / seconds:.1f} tokens/s, {C.cache} cache, {C.dtype}", file=sys.stderr)
     fed = [d for row in depths for d in row]
     hist = [f"{k}:{fed.count(k)}" for k in sorted(set(fed))]
     print("loops per new token (loops:tokens):", *hist, file=sys.stderr)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
 from evaluate import load_windows, trace  # noqa: E402
-from model import token_loss  # noqa: E402
+from model import exit_score, token_loss  # noqa: E402
 from model import autocast  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 
@@ -39,7 +39,7 @@ def masked_exit(model, x, y, r_max, criterion, threshold, probe=None):
         if criterion == "kl":  # a frozen token carries the distribution it stopped with
             new_logits = torch.where(active[..., None], new_logits, logits)
         if loop >= allocate.MIN_EXIT_LOOP:
-            active &= allocate.score_after_loop(criterion, probe, s_new, s, new_logits, logits) >= threshold
+            active &= (probe(s_new) if criterion == "probe" else exit_score(criterion, s_new, s, new_logits, logits)) >= threshold
         s, logits = s_new, new_logits
     if criterion != "kl":
         logits = model.readout(s)

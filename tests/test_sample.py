@@ -183,9 +183,9 @@ def depthwise(model, ids, depth, exit, threshold, r_max):
         s_new = model.core_step(e[:, act], s[:, act], core, act[None])
         logits = model.readout(s_new, coda, act[None]) if exit == "kl" else None
         if act[-1] == T - 1:  # the last token ran loop i
-            new = None if logits is None else logits[0, -1]
+            new = None if logits is None else logits[0, -1:]  # (1, V): exit_score takes rows
             if depth[-1] is None and i >= MIN_EXIT_LOOP:
-                if exit_score(exit, s_new[0, -1], s[0, -1], new, prev) < threshold:
+                if exit_score(exit, s_new[0, -1:], s[0, -1:], new, prev) < threshold:
                     n[-1] = i
             prev = last = new
         s[:, act] = s_new
