@@ -52,8 +52,7 @@ def active_positions(active):
     counts = counts[rows]
     width = int(counts.max()) if len(rows) else 0
     # a stable sort of "inactive" flags puts each window's active tokens first
-    flags = (~active[rows]).to(torch.uint8)
-    order = torch.sort(flags, dim=1, stable=True).indices[:, :width]
+    order = torch.sort((~active[rows]).byte(), dim=1, stable=True).indices[:, :width]
     real = torch.arange(width, device=active.device) < counts[:, None]
     pos = torch.where(real, order, order.gather(1, counts[:, None] - 1))
     return rows, pos, real
@@ -120,8 +119,7 @@ def fit_probe(x_fit, y_fit, x_held, y_held, steps):
     with torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(z_fit @ w + b, y_fit.float())
-            loss.backward()
+            F.binary_cross_entropy_with_logits(z_fit @ w + b, y_fit.float()).backward()
             opt.step()
 
     def prob(s):  # the probe's input in float32, whatever the autocast
@@ -142,9 +140,8 @@ def log_grid(values, n):
 def fit_router(model, twins, C, r_max):
     """A2 from training windows only, the last 20% of windows held out. The
     threshold grids come from here too, never from the evaluation windows."""
-    parts = []
-    for batch in twins.split(C.batch_size):
-        parts.append(trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True))
+    parts = [trace(model, b[:, :-1], b[:, 1:], r_max, keep_states=True)
+             for b in twins.split(C.batch_size)]
     harvest = {k: torch.cat([part[k] for part in parts], 1) for k in parts[0]}
     labels = harvest_labels(harvest["argmax"])[:-1].cpu()  # r_max: no later loop
     states = harvest["state"][:-1].float().cpu()
@@ -155,8 +152,7 @@ def fit_router(model, twins, C, r_max):
     grids = {"A1": log_grid(harvest["kl"][1:], C.n_grid),
              "A1s": log_grid(harvest["dstate_rel"][1:], C.n_grid),
              "A2": log_grid(prob(states[:, n_fit:]).flatten(), C.n_grid)}
-    rate = labels.float().mean().item()
-    info = {"accuracy": accuracy, "majority": majority, "positive_rate": rate}
+    info = {"accuracy": accuracy, "majority": majority, "positive_rate": labels.float().mean().item()}
     return prob, info, grids
 
 
@@ -183,9 +179,8 @@ def cost_at_loss(points, loss):
 def interp_loss(points, cost):
     """Loss at an average cost along (cost, loss) points; None outside."""
     costs, losses = zip(*sorted(points))
-    if not costs[0] <= cost <= costs[-1]:
-        return None
-    return float(np.interp(cost, costs, losses))
+    inside = costs[0] <= cost <= costs[-1]
+    return float(np.interp(cost, costs, losses)) if inside else None
 
 
 def bar_loss(pw, mean):
@@ -237,8 +232,7 @@ def sweep(model, X, Y, C, r_max, grids, probe):
     batches = list(zip(X.split(C.batch_size), Y.split(C.batch_size)))
     a0 = torch.cat([trace(model, x, y, r_max)["loss"].mean(2) for x, y in batches], 1)
     loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], len(X), 1)
-    flops = model.inference_flops(loops, 1, T)
-    pw = {"A0": (a0.double().cpu().numpy(), loops, flops)}
+    pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, 1, T))}
     for key in ("A1", "A1s", "A2"):
         losses = []
         depths = []
@@ -262,17 +256,15 @@ def summarize(pw, C, mean):
         res["at_bar"][key] = {}
         for x, axis in ((1, "loops"), (2, "flops")):
             for suffix, stat in stats.items():
-                res["at_bar"][key][axis + suffix] = estimate(
-                    stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
+                est = estimate(stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
+                res["at_bar"][key][axis + suffix] = est
     for depth in (mean * f / 8 for f in range(3, 8)):
         # the FLOPs of uniform depth at that many loops
         flops = float(np.interp(depth, pw["A0"][1][:, 0], pw["A0"][2][:, 0]))
         for x, cost, table in ((1, depth, "table"), (2, flops, "table_flops")):
-            a0 = interp_loss(curve(pw, "A0", x), cost)
-            row = {"avg_depth": depth, "cost": cost, "A0": a0}
+            row = {"avg_depth": depth, "cost": cost, "A0": interp_loss(curve(pw, "A0", x), cost)}
             for key in ("A1", "A1s", "A2"):
-                row[key] = estimate(loss_delta, pw, C.bootstrap, C.seed,
-                                    key=key, cost=cost, x=x)
+                row[key] = estimate(loss_delta, pw, C.bootstrap, C.seed, key=key, cost=cost, x=x)
             res[table].append(row)
     return res
 
@@ -309,9 +301,8 @@ def print_report(res):
         header = "avg loops" if axis == "loops" else "MFLOP/token"
         names = [f"{POLICIES[k]} - A0" for k in keys]
         print(markdown([header, "A0 loss"] + names, rows) + "\n")
-    probe = res["probe"]
-    print(f"A2 probe: held-out accuracy {probe['accuracy']:.3f} "
-          f"(majority class {probe['majority']:.3f}).")
+    print(f"A2 probe: held-out accuracy {res['probe']['accuracy']:.3f} "
+          f"(majority class {res['probe']['majority']:.3f}).")
 
 
 def allocation_figure(res, path):
@@ -321,10 +312,8 @@ def allocation_figure(res, path):
     for key, points in res["curves"].items():
         depth, loss = zip(*sorted((p["avg_depth"], p["loss"]) for p in points))
         ax.plot(depth, loss, "o-" if key == "A0" else ".-", label=POLICIES[key])
-    bar = f"uniform r={res['mean_loops']} quality"
-    ax.axhline(res["bar"], color="k", linestyle=":", label=bar)
-    ax.set(xlabel="average loops per token", ylabel="loss (nats)",
-           title="Allocation (realized engine)")
+    ax.axhline(res["bar"], color="k", linestyle=":", label=f"uniform r={res['mean_loops']}")
+    ax.set(xlabel="average loops per token", ylabel="loss (nats)", title="Allocation")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -351,11 +340,10 @@ def main(argv=()):
     print(f"{ckpt_path}: iter {ckpt['iter_num']}, mean_loops {mean}, r_max {r_max}; "
           f"{C.windows} val and {C.train_windows} train windows; {C.device} {C.dtype}")
     t_start = time.perf_counter()
+    wins = wins.to(C.device)
     with autocast(C.device, C.dtype):
         probe, probe_info, grids = fit_router(model, twins.to(C.device), C, r_max)
-        X = wins[:, :-1].to(C.device)
-        Y = wins[:, 1:].contiguous().to(C.device)
-        pw = sweep(model, X, Y, C, r_max, grids, probe)
+        pw = sweep(model, wins[:, :-1], wins[:, 1:].contiguous(), C, r_max, grids, probe)
     curves = {}
     for key, points in ({"A0": list(range(1, r_max + 1))} | grids).items():
         costs = zip(points, curve(pw, key), pw[key][2].mean(1))

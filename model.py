@@ -410,8 +410,8 @@ def write_json(path, obj):
     os.replace(f"{path}.tmp", path)
 
 
-def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict at path, or one line and exit 2."""
+def read_checkpoint(path, device="cpu", advice=""):
+    """The checkpoint dict at path, or one line (ending with advice) and exit 2."""
     check_device(device)  # a missing GPU is the machine's fault, not the file's
     if not os.path.isfile(path):
         die(f"no checkpoint at {path} (train one with `python train.py`)")
@@ -422,12 +422,12 @@ def read_checkpoint(path, device="cpu"):
         reason = (str(err).splitlines() or [type(err).__name__])[0]
         if "Weights only" in reason:
             reason = "it holds objects a safe load refuses"
-        die(f"{path} ({os.path.getsize(path)} bytes) is not a readable checkpoint: {reason}")
+        die(f"{path} ({os.path.getsize(path)} bytes) is not a readable checkpoint: {reason}{advice}")
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        die(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
+        die(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r}){advice}")
     for key, kind in CKPT_KEYS.items():
         if not isinstance(ckpt.get(key), kind):
-            die(f"{path}: its {key!r} is missing or not a {kind.__name__}")
+            die(f"{path}: its {key!r} is missing or not a {kind.__name__}{advice}")
     return ckpt
 
 

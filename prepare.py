@@ -39,10 +39,13 @@ def batches(split):
     if isinstance(split, list):
         yield from (split[i:i + BATCH] for i in range(0, len(split), BATCH))
         return
-    for batch in split.iter(batch_size=BATCH):
-        if "text" not in batch:
-            die(f"the documents have no 'text' field: {sorted(batch)}")
-        yield batch["text"]
+    try:
+        for batch in split.iter(batch_size=BATCH):
+            if "text" not in batch:
+                die(f"the documents have no 'text' field: {sorted(batch)}")
+            yield batch["text"]
+    except ValueError as err:  # pyarrow's ArrowInvalid: a malformed .jsonl or .parquet
+        die(f"the corpus does not parse: {str(err).splitlines()[0]}")
 
 
 def shakespeare(val_fraction):

@@ -154,7 +154,7 @@ def open_checkpoint(C, given, path):
     """The checkpoint to resume (its model and dataset kept), or None."""
     if C.init_from == "scratch":
         if os.path.exists(path) and not C.overwrite_checkpoint:
-            step = read_checkpoint(path)["iter_num"]
+            step = read_checkpoint(path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
             die(f"{path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
         return None
     ckpt = read_checkpoint(path, C.device)

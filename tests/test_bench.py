@@ -142,3 +142,15 @@ def test_a_stale_allocation_is_refused(allocated, monkeypatch, capsys):
         bench.main(["--out_dir=out", "--frontier=scoring"])
     assert exc.value.code == 2 and "rerun allocate.py" in capsys.readouterr().err
     assert json.loads(path.read_text()) == alloc
+
+
+def test_every_numeric_setting_refuses_bad_values_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    rules = train.RULES | bench.BENCH_RULES
+    numeric = [k for k, rule in rules.items() if isinstance(rule, tuple) and not isinstance(rule[0], str)]
+    for key in numeric:
+        for value in ("-2", "1e999", "nan", "True", "'x'"):
+            with pytest.raises(SystemExit) as exc:
+                bench.main(TINY_ARGS + [f"--{key}={value}"])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, (key, value, err)

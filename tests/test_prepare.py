@@ -686,3 +686,13 @@ def test_a_corpus_too_small_to_train_on_is_warned_about(workdir, capsys):
 def test_the_docstring_names_the_default_tokenizer():
     assert "1024-entry BPE" in prepare.__doc__ and "4096" not in prepare.__doc__
     assert prepare.parse_args([]).tokenizer == "bpe:1024"
+
+
+def test_a_malformed_jsonl_line_is_one_error_not_a_traceback(workdir, capsys):
+    lines = ['{"text": "a document of some length, one"}', '{"text": "two"', '{"text": "three"}']
+    Path("c.jsonl").write_text("\n".join(lines * 4) + "\n")
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["c.jsonl", "--tokenizer", "bpe:300"])
+    err = capsys.readouterr().err.strip().splitlines()  # datasets logs the parse error too
+    assert e.value.code == 2 and err[-1].startswith("error: the corpus does not parse")
+    assert not Path("data/c").exists()

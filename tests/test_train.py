@@ -224,6 +224,10 @@ def test_scratch_run_never_overwrites_a_checkpoint(tiny_data, capsys):
     assert Path("o/ckpt.pt").read_bytes() == before
     train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--overwrite_checkpoint=True"])
     assert torch.load("o/ckpt.pt", weights_only=True)["iter_num"] == 1
+    Path("o/ckpt.pt").write_bytes(before[:1000])  # a corrupt checkpoint: still kept, and the way out named
+    err = one_line_error(capsys, train.main, TINY + ["--max_iters=1", "--out_dir=o"])
+    assert "not a readable checkpoint" in err and "--overwrite_checkpoint=True" in err
+    assert Path("o/ckpt.pt").read_bytes() == before[:1000]
 
 
 def test_diverged_model_is_never_saved(tiny_data, capsys):
