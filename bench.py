@@ -23,7 +23,7 @@ from allocate import estimate, realized_exit, show
 from configurator import configure, die, run
 from evaluate import load_windows, markdown
 from model import GPT, GPTConfig, autocast, check_device, checkpoint_id
-from model import config_or_die, load_checkpoint, token_loss, training_memory, write_json
+from model import config_or_die, load_checkpoint, token_loss, write_json
 from prepare import open_dataset
 from sample import generate, greedy, initial_states
 
@@ -78,34 +78,32 @@ def train_step(model, optimizer, x, y, loops, C):
 def median_seconds(configs, rounds, device, decode_only=False):
     """Each fn of configs once untimed, then once per round (decode_only: the
     seconds generate() reports after its prefill). -> (medians, results)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     times = {name: [] for name in configs}
     results = {}
     for fn in configs.values():
         fn()
     for _ in range(rounds):
         for name, fn in configs.items():
-            if device.startswith("cuda"):  # wait for the work queued before
-                torch.cuda.synchronize()
+            sync()  # a timing waits for the work queued before it
             t0 = time.perf_counter()
             results[name] = fn()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            sync()
             seconds = time.perf_counter() - t0
             times[name].append(results[name][2] if decode_only else seconds)
     return {name: statistics.median(t) for name, t in times.items()}, results
 
 
 def bench_training(C):
-    model_args = {k: getattr(C, k) for k in train.MODEL_KEYS}
-    model = GPT(config_or_die(vocab_size=C.vocab_size, **model_args)).to(C.device)
+    config = config_or_die(vocab_size=C.vocab_size, **{k: getattr(C, k) for k in train.MODEL_KEYS})
+    model = GPT(config).to(C.device)
     models = {"recurrent": model, "dense": dense_twin(model, C)}
     depths = [train.sample_loops(i, C.seed, C.mean_loops, C.max_loops, C.loop_dist)
               for i in range(C.bench_steps)]
     g = torch.Generator().manual_seed(C.seed)
     shape = (2, C.batch_size, C.block_size)
     batches = [torch.randint(C.vocab_size, shape, generator=g).to(C.device) for _ in depths]
-    configs = {}
-    flops = {}
+    configs, flops = {}, {}
     for name, m in models.items():
         opt = m.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), "cpu")
         if C.compile:  # per part, as train.py: the depth loop stays outside the graphs
@@ -121,24 +119,21 @@ def bench_training(C):
     frames = torch._dynamo.utils.counters["frames"]["total"]
     seconds, _ = median_seconds(configs, C.rounds, C.device)
     tokens = C.bench_steps * C.batch_size * C.block_size
+    recompiles = torch._dynamo.utils.counters["frames"]["total"] - frames
     out = {"command": "python bench.py " + " ".join(C.argv), "date": time.strftime("%Y-%m-%d"),
-           "depths": depths,
-           "recompiles": torch._dynamo.utils.counters["frames"]["total"] - frames,
-           "memory_bytes": training_memory(model.config, C.batch_size, C.dtype)["total"]}
+           "depths": depths, "recompiles": recompiles}
     rows = []
     for name, m in models.items():
         fwd = fwd_flops(m, C.mean_loops if name == "recurrent" else 0, C.block_size)
+        speed = tokens / seconds[name]
         out[name] = {"layers": m.config.n_prelude, "fwd_flops_per_token": fwd,
-                     "tokens_per_s": tokens / seconds[name],
-                     "flops_per_s": flops[name] / seconds[name]}
-        rows.append([name, m.config.n_prelude, f"{fwd / 1e6:.2f}",
-                     f"{out[name]['tokens_per_s']:,.0f}", f"{out[name]['flops_per_s']:.4g}"])
-    ratio = out["recurrent"]["flops_per_s"] / out["dense"]["flops_per_s"]
-    out["ratio_flops_per_s"] = ratio
+                     "tokens_per_s": speed, "flops_per_s": flops[name] / seconds[name]}
+        rows.append([name, m.config.n_prelude, f"{fwd / 1e6:.2f}", f"{speed:,.0f}",
+                     f"{flops[name] / seconds[name]:.4g}"])
+    out["ratio_flops_per_s"] = out["recurrent"]["flops_per_s"] / out["dense"]["flops_per_s"]
     print(markdown(["model", "layers", "fwd MFLOP/token", "tokens/s", "FLOP/s"], rows))
-    print(f"\nrecurrent / dense FLOP/s: {ratio:.3f}; depths {depths}; recompiles "
-          f"while timing: {out['recompiles']}; predicted memory per micro-step "
-          f"{out['memory_bytes'] / 1e9:.3g} GB")
+    print(f"\nrecurrent / dense FLOP/s: {out['ratio_flops_per_s']:.3f}; depths {depths}; "
+          f"recompiles while timing: {recompiles}")
     write_json("bench.json", out)
     return out
 
@@ -163,11 +158,9 @@ def iso_loss_speedup(front, loss, speed):
 
 def realization(costs, speeds, cost, speed):
     """speed / uniform depth's tokens/s at the same FLOPs per token."""
-    if not min(costs) <= cost <= max(costs):
+    if not costs[0] <= cost <= costs[-1]:  # uniform r = 1..r_max: rising costs
         return None
-    order = np.argsort(costs)
-    uniform = np.interp(cost, np.array(costs)[order], np.array(speeds)[order])
-    return speed / float(uniform)
+    return speed / float(np.interp(cost, costs, speeds))
 
 
 def speedup_at(pw, key, point, uniform_speeds, speed):
@@ -181,11 +174,9 @@ def read_allocation(C, ckpt):
     path = os.path.join(C.out_dir, "allocate.json")
     if not os.path.isfile(path):
         die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first")
-    with open(path) as f:
-        alloc = json.load(f)
+    alloc = json.loads(open(path).read())
     if alloc["checkpoint"].get("id") != checkpoint_id(ckpt):
-        die(f"{path} is from checkpoint {alloc['checkpoint'].get('id')}, not "
-            f"{checkpoint_id(ckpt)}: rerun allocate.py")
+        die(f"{path} is from another checkpoint than {checkpoint_id(ckpt)}: rerun allocate.py")
     pw = {k: tuple(np.array(a) for a in arrays) for k, arrays in alloc["per_window"].items()}
     return alloc, pw
 
@@ -220,6 +211,7 @@ def frontier_rows(alloc, pw, speeds, seed):
     return rows
 
 
+@torch.no_grad()  # a graph per forward would hold its activations: 24 GB on the CPU default
 def policy_run(C, model, wins, batch, criterion, setting, alloc):
     """Uniform depth (criterion 'none', setting r) or an exit at threshold
     `setting`: over the windows, or generating from bench_tokens prompts."""
@@ -244,14 +236,11 @@ def policy_run(C, model, wins, batch, criterion, setting, alloc):
 def bench_frontier(C):
     model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
     alloc, pw = read_allocation(C, ckpt)
-    dataset = ckpt["config"]["dataset"]
-    data_dir, meta = open_dataset(dataset, ckpt, C.out_dir, splits=("val",))
+    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, C.out_dir, splits=("val",))
     generation = C.frontier == "generation"
     n = max(C.timing_windows, *GENERATION_BATCHES) if generation else C.timing_windows
-    val = os.path.join(data_dir, "val.bin")
-    length = model.config.block_size + 1
-    wins = load_windows(val, meta["dtype"], alloc["windows"], length, alloc["args"]["seed"])
-    wins = wins[:n].to(C.device)
+    wins = load_windows(os.path.join(data_dir, "val.bin"), meta["dtype"], alloc["windows"],
+                        model.config.block_size + 1, alloc["args"]["seed"])[:n].to(C.device)
     out = {"command": "python bench.py " + " ".join(C.argv), "date": time.strftime("%Y-%m-%d")}
     batches = GENERATION_BATCHES if generation else (1, alloc["args"]["batch_size"])
     for batch in sorted({min(b, len(wins)) for b in batches}):

@@ -341,7 +341,8 @@ def main(argv=()):
         consecutive = nonfinite_guard(finite, it, skipped, consecutive, C.guard_grace_iters, log)
         history.append((it, loops, loss))
     evaluate_and_save(model, optimizer, g_data, C, meta, max(start, C.max_iters), best_val, log)
-    if C.world > 1:
+    if C.world > 1:  # together: a rank leaving while rank 0 still saves aborted in gloo
+        dist.barrier()
         dist.destroy_process_group()
     return history
 
