@@ -235,6 +235,8 @@ def policy_run(C, model, wins, batch, criterion, setting, alloc):
 
 def bench_frontier(C):
     model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
+    if not os.access(C.out_dir, os.W_OK):  # now, not after minutes of timing
+        die(f"--out_dir={C.out_dir} is not writable")
     alloc, pw = read_allocation(C, ckpt)
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, C.out_dir, splits=("val",))
     generation = C.frontier == "generation"

@@ -154,6 +154,8 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
     cols = torch.arange(max(0, T0 - block), T0, device=idx.device)
     logits = prefill(model, caches, out, s0, seqs, cols.expand(B, -1), loops)
     pos = idx.new_full((B,), len(cols) - 1)  # each one's last position
+    if idx.is_cuda:  # the prefill's queued work is not decoding time
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     while True:
         if len(seqs):  # the stopped ones pick
