@@ -8,9 +8,11 @@ with paired bootstrap 95% intervals over the windows.
 
     python allocate.py --out_dir=out-shakespeare [--windows=128] [--plot]
 """
+import math
 import os
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -20,7 +22,7 @@ from tqdm import tqdm
 from configurator import configure, die, run
 from evaluate import load_windows, markdown, pyplot, trace
 from model import MIN_EXIT_LOOP, autocast, checkpoint_id, default_r_max
-from model import exit_score, load_checkpoint, token_loss, write_json
+from model import exit_score, load_checkpoint, token_loss, save_atomic
 from prepare import open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json (.png)
@@ -28,7 +30,8 @@ windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
 train_windows = 32  # A2's label windows from train.bin (never evaluated)
 r_max = 0  # the deepest loop any policy may run; 0: 2 x mean_loops
 batch_size = 8  # windows per call: the B of depth-wise batching
-n_grid = 6  # thresholds per swept policy
+n_grid = 4  # starting thresholds per policy (then placed by bisection)
+tolerance = 0.05  # loops: every table row and the bar within it of a measurement
 probe_steps = 300  # full-batch Adam steps for A2's logistic probe
 bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
@@ -36,7 +39,7 @@ plot = False  # also write allocate.png
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda, cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
 RULES = dict(out_dir=str, windows=(1, 2 ** 20), train_windows=(2, 2 ** 20), r_max=(0, 1024),
-             batch_size=(1, 4096), n_grid=(2, 100), probe_steps=(1, 10 ** 6),
+             batch_size=(1, 4096), n_grid=(2, 100), tolerance=(1e-3, 10.0), probe_steps=(1, 10 ** 6),
              bootstrap=(10, 10 ** 6), seed=(0, 2 ** 32 - 1), plot=bool, device=str,
              dtype=("float32", "bfloat16"))
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state exit", "A2": "A2 router"}
@@ -225,27 +228,78 @@ def estimate(stat, pw, n_resamples, seed, **kwargs):
 
 
 # ---- the measurements
+def measure(model, batches, r_max, key, threshold, probe):
+    """One threshold on the realized engine -> per-window (loss, loops, FLOPs per token)."""
+    runs = [realized_exit(model, x, y, r_max, CRITERION[key], threshold, probe) for x, y in batches]
+    loss = torch.cat([run[0].mean(1) for run in runs]).double().cpu().numpy()
+    depth = torch.cat([run[1].float().mean(1) for run in runs]).double().cpu().numpy()
+    readouts = depth if key == "A1" else 1  # KL reads out every loop
+    T = batches[0][0].size(1)
+    return loss, depth, model.inference_flops(depth, readouts, T, depth - 1, CRITERION[key])
+
+
+def place(measure_at, points, axis, target, tol, depths, tries=10):
+    """Measure thresholds until a row read at target along axis (0 loss, 1
+    loops, 2 FLOPs) lies within tol loops of a measurement: false position on
+    log(threshold), bisection when one end sticks. Loss rises with the
+    threshold, loops and FLOPs fall; depths: (least, most) loops. points:
+    {threshold: per-window (loss, loops, flops)}, filled in place."""
+    if axis == 1 and not depths[0] <= target <= depths[1]:
+        return  # no threshold runs that deep (or that shallow)
+    sides = []
+    for _ in range(tries):
+        ts = sorted(points)
+        above = [points[t][axis].mean() >= target for t in ts]
+        cross = [i for i in range(len(ts) - 1) if above[i] != above[i + 1]]
+        if cross:  # the shallowest crossing: where a curve first reaches it
+            t0, t1 = ts[cross[-1]:cross[-1] + 2]
+            v0, v1 = (points[t][axis].mean() for t in (t0, t1))
+            d0, d1 = (points[t][1].mean() for t in (t0, t1))
+            w = (target - v0) / (v1 - v0)  # the row's place between them
+            if min(w, 1 - w) * abs(d1 - d0) <= tol:
+                return
+            stuck = len(sides) > 1 and sides[-1] == sides[-2]
+            t = math.sqrt(t0 * t1) if stuck else t0 * (t1 / t0) ** w
+        elif all(above) == (axis != 0):  # too deep everywhere: a decade further
+            t = ts[-1] * 10
+            if points[ts[-1]][1].mean() <= depths[0]:  # every token already stops at once
+                return
+        else:
+            t = ts[0] / 10
+            if points[ts[0]][1].mean() >= depths[1]:  # no token stops
+                return
+        if t in points:
+            return
+        points[t] = measure_at(t)
+        sides.append(points[t][axis].mean() >= target)
+
+
 def sweep(model, X, Y, C, r_max, grids, probe):
-    """Per-window loss, loops and forward FLOPs per token for A0 (one trace
-    to r_max) and every A1/A1s/A2 threshold on the realized engine."""
+    """Per-window (loss, loops, FLOPs per token), each (points, windows): A0 by
+    one trace to r_max; each exit from its grid, then thresholds placed at the
+    matched table's loops and FLOPs and at the bar. -> (pw, thresholds)."""
     T = X.size(1)
     batches = list(zip(X.split(C.batch_size), Y.split(C.batch_size)))
     a0 = torch.cat([trace(model, x, y, r_max)["loss"].mean(2) for x, y in batches], 1)
     loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], len(X), 1)
     pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, 1, T))}
+    rows = table_depths(model.config.mean_loops)
+    uniform_flops = np.interp(rows, loops[:, 0], pw["A0"][2][:, 0])
+    targets = [(1, d) for d in rows] + [(2, f) for f in uniform_flops]
+    targets.append((0, bar_loss(pw, model.config.mean_loops)))
+    thresholds = {}
     for key in ("A1", "A1s", "A2"):
-        losses = []
-        depths = []
-        for t in tqdm(grids[key], desc=f"{key} sweep", file=sys.stderr):
-            runs = [realized_exit(model, x, y, r_max, CRITERION[key], t, probe)
-                    for x, y in batches]
-            losses.append(torch.cat([run[0].mean(1) for run in runs]))
-            depths.append(torch.cat([run[1].float().mean(1) for run in runs]))
-        depth = torch.stack(depths).double().cpu().numpy()
-        readouts = depth if key == "A1" else 1  # KL reads out every loop
-        flops = model.inference_flops(depth, readouts, T, depth - 1, CRITERION[key])
-        pw[key] = (torch.stack(losses).double().cpu().numpy(), depth, flops)
-    return pw
+        measure_at = partial(measure, model, batches, r_max, key, probe=probe)
+        points = {t: measure_at(t) for t in grids[key]}
+        for axis, target in tqdm(targets, desc=f"{key} placing", file=sys.stderr):
+            place(measure_at, points, axis, target, C.tolerance, (MIN_EXIT_LOOP, r_max))
+        thresholds[key] = sorted(points)
+        pw[key] = tuple(np.stack([points[t][i] for t in thresholds[key]]) for i in range(3))
+    return pw, thresholds
+
+
+def table_depths(mean):
+    return [mean * f / 8 for f in range(3, 8)]  # the matched table's rows
 
 
 def summarize(pw, C, mean):
@@ -258,7 +312,7 @@ def summarize(pw, C, mean):
             for suffix, stat in stats.items():
                 est = estimate(stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
                 res["at_bar"][key][axis + suffix] = est
-    for depth in (mean * f / 8 for f in range(3, 8)):
+    for depth in table_depths(mean):
         # the FLOPs of uniform depth at that many loops
         flops = float(np.interp(depth, pw["A0"][1][:, 0], pw["A0"][2][:, 0]))
         for x, cost, table in ((1, depth, "table"), (2, flops, "table_flops")):
@@ -333,19 +387,18 @@ def main(argv=()):
         die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
     length = model.config.block_size + 1
-    val = os.path.join(data_dir, "val.bin")
-    wins = load_windows(val, meta["dtype"], C.windows, length, C.seed)
-    train_bin = os.path.join(data_dir, "train.bin")
-    twins = load_windows(train_bin, meta["dtype"], C.train_windows, length, C.seed + 1)
+    bins = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
+    wins = load_windows(bins["val"], meta["dtype"], C.windows, length, C.seed)
+    twins = load_windows(bins["train"], meta["dtype"], C.train_windows, length, C.seed + 1)
     print(f"{ckpt_path}: iter {ckpt['iter_num']}, mean_loops {mean}, r_max {r_max}; "
           f"{C.windows} val and {C.train_windows} train windows; {C.device} {C.dtype}")
     t_start = time.perf_counter()
     wins = wins.to(C.device)
     with autocast(C.device, C.dtype):
         probe, probe_info, grids = fit_router(model, twins.to(C.device), C, r_max)
-        pw = sweep(model, wins[:, :-1], wins[:, 1:].contiguous(), C, r_max, grids, probe)
+        pw, thresholds = sweep(model, wins[:, :-1], wins[:, 1:].contiguous(), C, r_max, grids, probe)
     curves = {}
-    for key, points in ({"A0": list(range(1, r_max + 1))} | grids).items():
+    for key, points in ({"A0": list(range(1, r_max + 1))} | thresholds).items():
         costs = zip(points, curve(pw, key), pw[key][2].mean(1))
         curves[key] = [{"threshold": t, "avg_depth": d, "flops": f, "loss": loss}
                        for t, (d, loss), f in costs]
@@ -355,7 +408,7 @@ def main(argv=()):
     print_report(res)
     res["per_window"] = {k: [a.tolist() for a in arrays] for k, arrays in pw.items()}
     res["seconds"] = time.perf_counter() - t_start
-    write_json(os.path.join(C.out_dir, "allocate.json"), res)
+    save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
     if C.plot:
         allocation_figure(res, os.path.join(C.out_dir, "allocate.png"))
     print(f"\nwrote {C.out_dir}/allocate.json in {res['seconds']:.0f}s")

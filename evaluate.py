@@ -1,8 +1,7 @@
 """Measure a checkpoint on its validation split: elasticity and cost curve, convergence, depth by
-token class, optionally a Hugging Face ceiling. Tables on stdout, out_dir/eval.json, --plot figures.
+token class. Tables on stdout, out_dir/eval.json, --plot figures.
 
     python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8 --plot
-    python evaluate.py --hf_model=HuggingFaceTB/SmolLM2-135M  # a ceiling
     python evaluate.py --versus=out-shakespeare-fixed  # beside the control
 """
 import importlib
@@ -17,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from configurator import configure, die, run
-from model import autocast, checkpoint_id, load_checkpoint, state_change, token_kl, token_loss, write_json
+from model import autocast, checkpoint_id, load_checkpoint, state_change, token_kl, token_loss, save_atomic
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json and figures
@@ -29,15 +28,14 @@ diag_init = "noise"  # its initial state: 'noise' (as in training) or 'zero'
 exit_threshold = 1e-3  # the convergence exit: KL(p_i || p_{i-1}) below this
 timing_windows = 4  # batch-1 forwards timed per loop count
 seed = 1337  # picks the windows and the noise
-hf_model = ""  # a ceiling, e.g. HuggingFaceTB/SmolLM2-135M (needs transformers)
 versus = ""  # a fixed-depth control's out_dir: its eval.json's curve beside ours
 plot = False  # draw the figures (needs matplotlib)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
+dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
 RULES = dict(
     out_dir=str, loops=str, windows=(1, 2 ** 20), batch_size=(1, 2 ** 16), diag_loops=(0, 4096),
     diag_init=("noise", "zero"), exit_threshold=(1e-12, 100.0), timing_windows=(1, 4096),
-    seed=(0, 2 ** 63 - 1), hf_model=str, versus=str, plot=bool, device=str, dtype=("float32", "bfloat16"))
+    seed=(0, 2 ** 63 - 1), versus=str, plot=bool, device=str, dtype=("float32", "bfloat16"))
 MOVING_KL = 1e-3  # the paper's "still moving" line, fixed to compare runs
 CLASSES = ("space", "numeral", "punctuation", "word")
 
@@ -65,8 +63,8 @@ def load_windows(path, bin_dtype, n, length, seed):
 
 
 def token_class(text):
-    """Byte-level BPE glues spaces on (' ('); a piece of a multi-byte character (U+FFFD) is a word."""
-    if text and text.isspace():
+    """Byte-level BPE glues spaces on (' ('); part of a character (U+FFFD): a word."""
+    if text.isspace():
         return "space"
     if any(ch.isdigit() for ch in text):
         return "numeral"
@@ -74,13 +72,6 @@ def token_class(text):
     if kinds and "\ufffd" not in text and kinds <= {"P", "S"}:
         return "punctuation"
     return "word"
-
-
-def optional(package, flag):
-    try:
-        return importlib.import_module(package)
-    except ImportError:
-        die(f"{flag} needs `{package}`: pip install {package}")
 
 
 def batches(wins, size, desc):
@@ -114,26 +105,24 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
     dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, state = s_i if kept."""
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
-    prev = None
+    logits = None
     rows = dict(loss=[], kl=[], dstate=[], dstate_rel=[], argmax=[], state=[])
     first = torch.full(y.shape, math.inf, device=y.device)
     for _ in range(n_loops):
-        s_new = model.core_step(e, s)
-        logits = model.readout(s_new)
+        s_old, s = s, model.core_step(e, s)
+        prev, logits = logits, model.readout(s)
         rows["loss"].append(token_loss(logits, y))
         rows["kl"].append(first if prev is None else token_kl(logits, prev))
-        rows["dstate"].append(state_change(s_new, s))
-        rows["dstate_rel"].append(state_change(s_new, s, relative=True))
+        rows["dstate"].append(state_change(s, s_old))
+        rows["dstate_rel"].append(state_change(s, s_old, relative=True))
         rows["argmax"].append(logits.argmax(-1))
         if keep_states:
-            rows["state"].append(s_new)
-        s = s_new
-        prev = logits
+            rows["state"].append(s)
     return {k: torch.stack(v) for k, v in rows.items() if v}
 
 
 def convergence_depth(kl, threshold=MOVING_KL):
-    """Per token (kl row j: loop j + 2), the loop after which KL stays <= threshold; 1: never moved."""
+    """Per token (kl row j: loop j + 2): the loop after which KL stays <= threshold."""
     n_loops = kl.size(0) + 1
     last_moving = torch.where(kl > threshold, torch.arange(2, n_loops + 1)[:, None], 0).amax(0)
     return torch.where(last_moving == n_loops, n_loops + 1, last_moving.clamp_min(1))
@@ -146,17 +135,14 @@ def exit_depth(kl, threshold):
 
 
 def markdown(headers, rows):
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    cells = [" | ".join(str(v) for v in row) for row in rows]
-    return "\n".join(lines + [f"| {line} |" for line in cells])
+    lines = [f"| {' | '.join(str(v) for v in row)} |" for row in [headers, *rows]]
+    return "\n".join([lines[0], "|" + "---|" * len(headers)] + lines[1:])
 
 
 def table(title, rows, columns):
     """columns: "key:format ..." (eval.json's names); None prints nan."""
     specs = [column.partition(":")[::2] for column in columns.split()]
-    cells = []
-    for row in rows:
-        cells.append([format(math.nan if row.get(k) is None else row[k], f) for k, f in specs])
+    cells = [[format(math.nan if row.get(k) is None else row[k], f) for k, f in specs] for row in rows]
     print(f"\n## {title}\n\n{markdown([k for k, _ in specs], cells)}")
 
 
@@ -188,10 +174,8 @@ def convergence(model, wins, decode, n_diag, C):
     kl, change, nll = [torch.cat([p[k][1:].flatten(1) for p in parts], 1).cpu()
                        for k in ("kl", "dstate", "loss")]
     moving = 100 * (kl > MOVING_KL).float().mean(1)
-    rows = []
-    for i in range(n_diag - 1):
-        rows.append(dict(loop=i + 2, mean_kl=kl[i].mean().item(), mean_state_change=change[i].mean().item(),
-                         percent_moving=moving[i].item(), loss=nll[i].mean().item()))
+    rows = [dict(loop=i + 2, mean_kl=kl[i].mean().item(), mean_state_change=change[i].mean().item(),
+                 percent_moving=moving[i].item(), loss=nll[i].mean().item()) for i in range(n_diag - 1)]
     table(f"Convergence ({C.diag_init} init, to {n_diag} loops)", rows,
           "loop mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f")
     depth = convergence_depth(kl)
@@ -208,48 +192,19 @@ def convergence(model, wins, decode, n_diag, C):
     targets = wins[:, 1:].flatten().tolist()
     class_of_id = {i: token_class(decode([i])) for i in set(targets)}
     classes = np.array([class_of_id[t] for t in targets])
-    rows = []
-    for name in CLASSES:
-        picked = exits[classes == name]
-        average = float(picked.mean()) if picked.size else None
-        rows.append({"class": name, "count": picked.size, "mean_exit_depth": average})
-    every = {"class": "all", "count": len(targets), "mean_exit_depth": float(exits.mean())}
+    picked = {name: exits[classes == name] for name in CLASSES} | {"all": exits}
+    rows = [{"class": name, "count": p.size, "mean_exit_depth": float(p.mean()) if p.size else None}
+            for name, p in picked.items()]
     table(f"Depth by token class (exit at KL < {C.exit_threshold:g}, {C.diag_init} init)",
-          rows + [every], "class count mean_exit_depth:.2f")
-    return cv, dict(exit_threshold=C.exit_threshold, mean_exit_depth=every["mean_exit_depth"], rows=rows)
-
-
-@torch.no_grad()
-def ceiling(wins, decode, ours_loss, C):
-    """--hf_model on the same text, per own token and per byte it predicts (after its first)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
-        tok = AutoTokenizer.from_pretrained(C.hf_model)
-        lm = AutoModelForCausalLM.from_pretrained(C.hf_model).to(C.device)
-    except OSError as err:  # unknown name, no network, no local cache
-        die(f"--hf_model: cannot load it: {str(err).splitlines()[0]}")
-    nll = 0.0
-    tokens = 0
-    n_bytes = 0
-    for window in tqdm(wins.tolist(), desc=C.hf_model, leave=False):
-        text = decode(window)
-        ids = torch.tensor(tok(text, add_special_tokens=False).input_ids, device=C.device)
-        nll += token_loss(lm(ids[None]).logits[0, :-1], ids[1:]).sum().item()
-        tokens += len(ids) - 1
-        n_bytes += len(text.encode()) - len(tok.decode(ids[:1]).encode())
-    ref = dict(model=C.hf_model, loss_per_token=nll / tokens, loss_per_byte=nll / n_bytes,
-               tokens=tokens, bytes=n_bytes)
-    ours_tokens = wins[:, 1:].numel()
-    ours_bytes = sum(len(decode(w[1:]).encode()) for w in wins.tolist())
-    ours = dict(model="this model at mean_loops", loss_per_token=ours_loss,
-                loss_per_byte=ours_loss * ours_tokens / ours_bytes, tokens=ours_tokens, bytes=ours_bytes)
-    table(f"Ceiling reference (same {len(wins)} windows)", [ours, ref],
-          "model loss_per_token:.3f loss_per_byte:.3f tokens bytes")
-    return ref | {"ours": ours}
+          rows, "class count mean_exit_depth:.2f")
+    return cv, dict(exit_threshold=C.exit_threshold, mean_exit_depth=float(exits.mean()), rows=rows[:-1])
 
 
 def pyplot():
-    optional("matplotlib", "--plot").use("Agg")  # files only, no display
+    try:
+        importlib.import_module("matplotlib").use("Agg")  # files only, no display
+    except ImportError:
+        die("--plot needs `matplotlib`: pip install matplotlib")
     return importlib.import_module("matplotlib.pyplot")
 
 
@@ -262,7 +217,6 @@ def save(fig, out_dir, name):
 
 
 def curve(ax, x, y, mean=None, **labels):
-    """An "o-" line (label=), ax.set(**labels), the training mean marked if given."""
     ax.plot(x, y, "o-", label=labels.pop("label", None))
     ax.set(**labels)
     if mean:
@@ -326,8 +280,6 @@ def main(argv=()):
                 control = {row["loops"]: row["loss"] for row in json.load(f)["elasticity"]}
         except (OSError, ValueError, KeyError, TypeError) as err:
             die(f"--versus: cannot read {theirs} ({type(err).__name__})")
-    if C.hf_model:  # fail now, not after the work
-        optional("transformers", "--hf_model")
     if C.plot:
         pyplot()
     path = os.path.join(C.out_dir, "ckpt.pt")
@@ -347,14 +299,11 @@ def main(argv=()):
           f" mean_loops {mean}; {C.device} {C.dtype}")
     el = elasticity(model, wins, meta, control, C)
     cv, tc = convergence(model, wins, decode, n_diag, C)
-    ours = next(row["loss"] for row in el if row["loops"] == mean)
-    reference = ceiling(wins, decode, ours, C) if C.hf_model else None
     checkpoint = dict(path=path, id=checkpoint_id(ckpt), iter_num=ckpt["iter_num"],
                       dataset=ckpt["config"]["dataset"], mean_loops=mean, max_loops=model.config.max_loops)
     res = dict(args=vars(C), checkpoint=checkpoint, windows=C.windows, block_size=model.config.block_size,
-               elasticity=el, convergence=cv, token_classes=tc, ceiling=reference)
-    res["seconds"] = time.perf_counter() - t_start
-    write_json(result, res)
+               elasticity=el, convergence=cv, token_classes=tc, seconds=time.perf_counter() - t_start)
+    save_atomic(result, res)
     if C.plot:
         figures(el, cv, tc, mean, C.out_dir, control)
     print(f"\nwrote {result} in {res['seconds']:.1f}s")

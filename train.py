@@ -1,5 +1,4 @@
-"""
-Train a depth-recurrent transformer with randomized depth and truncated backprop.
+"""Train a depth-recurrent transformer with randomized depth and truncated backprop.
 
     python train.py        # the CPU default: Shakespeare, ~10 min on 2 cores
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import prepare
 from configurator import configure, die, run
 from model import (CKPT_FORMAT, GPT, GPTConfig, autocast, check_device, config_or_die, read_checkpoint,
-                   training_memory)
+                   save_atomic, training_memory)
 
 # settings: the CPU default run
 out_dir = "out-shakespeare"  # ckpt.pt is written here
@@ -25,9 +24,6 @@ eval_iters = 10  # batches per evaluation
 always_save_checkpoint = True  # save at every evaluation, not only the best
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 overwrite_checkpoint = False  # let a scratch run replace ckpt.pt
-wandb_log = False  # log to Weights & Biases
-wandb_project = "nanoloop"  # wandb project
-wandb_run_name = "run"  # wandb run name
 dataset = "shakespeare"  # data/<dataset>/ from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per step, over all ranks
 batch_size = 8  # sequences per micro-step
@@ -66,11 +62,10 @@ memory_limit_gb = 0.0  # refuse a run predicted above it; 0: the device's memory
 INT = (0, 2**31)
 RULES = dict(
     out_dir=str, eval_interval=(1, 2**31), log_interval=(1, 2**31), eval_iters=(1, 2**31),
-    always_save_checkpoint=bool, init_from=("scratch", "resume"), overwrite_checkpoint=bool,
-    wandb_log=bool, wandb_project=str, wandb_run_name=str, dataset=str,
+    always_save_checkpoint=bool, init_from=("scratch", "resume"), overwrite_checkpoint=bool, dataset=str,
     gradient_accumulation_steps=(1, 2**20), batch_size=(1, 2**20), block_size=(2, 2**20),
     n_embd=(2, 2**16), n_head=(1, 1024), n_kv_head=(1, 1024), ffn_hidden=(1, 2**18),
-    n_prelude=(0, 256), n_core=(1, 256), n_coda=(0, 256), mean_loops=(1, 256), max_loops=(1, 1024),
+    n_prelude=(0, 256), n_core=(0, 256), n_coda=(0, 256), mean_loops=(1, 256), max_loops=(1, 1024),
     bptt_k=(1, 1024), rope_theta=(1.0, 1e9), norm_eps=(1e-12, 1.0), state_std=(0.0, 100.0),
     loop_dist=("lognormal", "fixed"), learning_rate=(1e-12, 10.0), max_iters=INT, lr_decay_iters=INT,
     warmup_iters=(-1, 2**31), min_lr=(0.0, 10.0), weight_decay=(0.0, 10.0), beta1=(0.0, 0.9999),
@@ -115,26 +110,14 @@ def get_batch(C, meta, split, generator):
     return xy[:, :-1], xy[:, 1:]
 
 
-def nonfinite_guard(finite, it, skipped, consecutive, grace, log=print):
-    """Skip a non-finite step; 3 in a row, or over 0.1% after `grace`, abort."""
-    if finite:
-        return 0
+def nonfinite_guard(it, skipped, grace, log=print):
+    """Note skipped step `it`; 3 in a row, or over 0.1% after `grace`, abort."""
     skipped.append(it)
     log(f"iter {it}: non-finite loss or grad norm, optimizer step skipped ({len(skipped)} so far)")
-    if consecutive + 1 >= 3:
-        die(f"iter {it}: {consecutive + 1} consecutive non-finite steps: {skipped}")
+    if skipped[-3:] == [it - 2, it - 1, it]:
+        die(f"iter {it}: 3 consecutive non-finite steps: {skipped}")
     if it >= grace and len(skipped) > 0.001 * (it + 1):
         die(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {it + 1}: {skipped}")
-    return consecutive + 1
-
-
-def save_checkpoint(obj, path):
-    """Atomic: a crash mid-save leaves the old file whole."""
-    with open(f"{path}.tmp", "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{path}.tmp", path)
 
 
 def mfu_ceiling(C):
@@ -150,29 +133,22 @@ def mfu_ceiling(C):
     return 0.0, f"no MFU: no bf16 peak for {name} {C.dtype} (--peak_flops)"
 
 
-def open_checkpoint(C, given, path):
-    """The checkpoint to resume (its model and dataset kept), or None."""
-    if C.init_from == "scratch":
-        if os.path.exists(path) and not C.overwrite_checkpoint:
-            step = read_checkpoint(path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
-            die(f"{path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
-        return None
-    ckpt = read_checkpoint(path, C.device)
-    saved = {k: ckpt["model_args"].get(k) for k in MODEL_KEYS} | {"dataset": ckpt["config"]["dataset"]}
-    for key, value in saved.items():
-        if key in given and getattr(C, key) != value:
-            die(f"--{key}={getattr(C, key)}, but {path} has {key}={value}")
-        setattr(C, key, value)
-    return ckpt
-
-
 def build(C, given, log):
     """-> (model, optimizer, data generator, meta, step, best val loss)."""
     if os.path.isfile(C.out_dir) or os.path.isdir(C.out_dir) and not os.access(C.out_dir, os.W_OK):
         die(f"--out_dir={C.out_dir} is not a writable folder")
     os.makedirs(C.out_dir, exist_ok=True)
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
-    ckpt = open_checkpoint(C, given, ckpt_path)
+    ckpt = read_checkpoint(ckpt_path, C.device) if C.init_from == "resume" else None
+    if ckpt:  # its model and dataset kept
+        saved = {k: ckpt["model_args"].get(k) for k in MODEL_KEYS} | {"dataset": ckpt["config"]["dataset"]}
+        for key, value in saved.items():
+            if key in given and getattr(C, key) != value:
+                die(f"--{key}={getattr(C, key)}, but {ckpt_path} has {key}={value}")
+            setattr(C, key, value)
+    elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
+        step = read_checkpoint(ckpt_path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
+        die(f"{ckpt_path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
     if C.dataset == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
         if C.rank == 0:  # the default corpus prepares itself
             log("no data/shakespeare/ yet: running `python prepare.py` first")
@@ -230,8 +206,6 @@ def evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log):
     bits = losses["val"] * meta.get("val_tokens", 0) / meta.get("val_bytes", 1) / math.log(2)
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
         f"val {bits:.4f} bits/byte (loops={C.mean_loops})")
-    if C.wandb:
-        C.wandb.log({"iter": it, "lr": get_lr(it, C)} | {f"{k}/loss": v for k, v in losses.items()})
     if not all(p.isfinite().all() for p in model.parameters()) or not math.isfinite(losses["val"]):
         log(f"step {it}: non-finite val loss or weights, not saved")
     elif losses["val"] < best_val or C.always_save_checkpoint:
@@ -247,13 +221,13 @@ def evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log):
             ckpt = {"format": CKPT_FORMAT, "model_args": dict(vars(model.config)), "config": config,
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": it,
                     "best_val_loss": best_val, "rng": {k: [r[k] for r in ranks] for k in rng}}
-            save_checkpoint(ckpt, os.path.join(C.out_dir, "ckpt.pt"))
+            save_atomic(os.path.join(C.out_dir, "ckpt.pt"), ckpt)
             log(f"saved checkpoint to {C.out_dir}/ckpt.pt")
     return best_val
 
 
-def train_step(model, optimizer, g_data, C, meta, it, log):
-    """-> (it, loops, loss, whether the step was taken)."""
+def train_step(model, optimizer, g_data, C, meta, it, log, skipped):
+    """-> (it, loops, loss); a non-finite step is skipped."""
     t0 = time.perf_counter()
     lr = get_lr(it, C)
     for group in optimizer.param_groups:
@@ -276,6 +250,8 @@ def train_step(model, optimizer, g_data, C, meta, it, log):
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if finite.item():
         optimizer.step()
+    else:
+        nonfinite_guard(it, skipped, C.guard_grace_iters, log)
     optimizer.zero_grad(set_to_none=True)
     loss = loss_sum.item()
     if it % C.log_interval == 0:
@@ -285,9 +261,7 @@ def train_step(model, optimizer, g_data, C, meta, it, log):
         mfu = f", mfu {100 * flops / dt / C.peak / C.world:.1f}%" if C.peak else ""
         log(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, lr {lr:.2e}, "
             f"{1000 * dt:.0f} ms/iter, {tokens / dt:,.0f} tok/s{mfu}")
-        if C.wandb:
-            C.wandb.log({"iter": it, "train/step_loss": loss, "loops": loops, "tok_per_s": tokens / dt})
-    return it, loops, loss, bool(finite.item())
+    return it, loops, loss
 
 
 def main(argv=()):
@@ -304,13 +278,6 @@ def main(argv=()):
         if C.gradient_accumulation_steps % C.world:
             die(f"gradient_accumulation_steps must be a multiple of {C.world}")
         C.gradient_accumulation_steps //= C.world
-    C.wandb = None  # rank 0's wandb module, if any
-    if C.wandb_log:
-        try:
-            import wandb
-        except ImportError:
-            die("--wandb_log needs wandb: pip install wandb")
-        C.wandb = wandb if C.rank == 0 else None
     log = print if C.rank == 0 else (lambda *a: None)
     torch.manual_seed(C.seed + C.rank)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -327,19 +294,14 @@ def main(argv=()):
         log(f"compiling prelude, core and coda ({C.compile_backend})")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(backend=C.compile_backend)
-    if C.wandb:
-        C.wandb.init(project=C.wandb_project, name=C.wandb_run_name, config={k: getattr(C, k) for k in RULES})
     C.peak, ceiling = mfu_ceiling(C)
     log(f"MFU against {C.peak:.3g} FLOP/s ({ceiling})" if C.peak else ceiling)
     history = []
     skipped = []
-    consecutive = 0
     for it in range(start, C.max_iters):
         if it % C.eval_interval == 0:
             best_val = evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log)
-        _, loops, loss, finite = train_step(model, optimizer, g_data, C, meta, it, log)
-        consecutive = nonfinite_guard(finite, it, skipped, consecutive, C.guard_grace_iters, log)
-        history.append((it, loops, loss))
+        history.append(train_step(model, optimizer, g_data, C, meta, it, log, skipped))
     evaluate_and_save(model, optimizer, g_data, C, meta, max(start, C.max_iters), best_val, log)
     if C.world > 1:  # together: a rank leaving while rank 0 still saves aborted in gloo
         dist.barrier()

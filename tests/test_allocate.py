@@ -94,6 +94,27 @@ def test_interpolation_on_a_hand_made_curve():
     assert allocate.cost_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
 
 
+def test_thresholds_are_placed_within_the_tolerance_of_each_target():
+    """A synthetic policy: loops fall smoothly from 8 to 2 as the threshold rises over decades."""
+    calls = []
+
+    def measure_at(t):
+        calls.append(t)
+        depth = np.full(4, 2 + 6 / (1 + (t / 1e-3) ** 0.7))
+        return 5 - 0.1 * depth, depth, 1e6 * depth
+    points = {t: measure_at(t) for t in (1e-5, 1e-1)}
+    for target in (3.0, 4.5, 6.0, 7.5):
+        allocate.place(measure_at, points, 1, target, 0.05, (2, 8))
+        assert min(abs(p[1].mean() - target) for p in points.values()) <= 0.05
+    allocate.place(measure_at, points, 2, 5.2e6, 0.05, (2, 8))  # on FLOPs
+    assert min(abs(p[2].mean() - 5.2e6) for p in points.values()) <= 0.05e6
+    allocate.place(measure_at, points, 0, 4.55, 0.05, (2, 8))  # on loss (rises with the threshold)
+    assert min(abs(p[1].mean() - 4.5) for p in points.values()) <= 0.05
+    n = len(calls)
+    allocate.place(measure_at, points, 1, 1.5, 0.05, (2, 8))  # below 2 loops: unreachable, gives up
+    assert len(calls) == n and n <= 20
+
+
 def test_bootstrap_interval_on_a_synthetic_pair():
     """A1 is A0 minus 0.05 nats on every window, plus noise. Over 40 synthetic evaluations the paired 95%
     interval holds the true -0.05 about 95% of the time, and it narrows as the windows grow (~1/sqrt(n))."""
@@ -195,8 +216,11 @@ def test_main_writes_json_tables_in_loops_and_flops_and_plot(trained, monkeypatc
     assert [p["avg_depth"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
     assert saved["checkpoint"]["id"].endswith("@60")
     for key in ("A1", "A1s", "A2"):
-        assert len(saved["curves"][key]) == 4
+        assert len(saved["curves"][key]) >= 4
         assert all(2 <= p["avg_depth"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][key])
+        depths = sorted(p["avg_depth"] for p in saved["curves"][key])
+        for d in [row["avg_depth"] for row in saved["table"] if depths[0] <= row["avg_depth"] <= depths[-1]]:
+            assert min(abs(x - d) for x in depths) <= 0.05 + 1e-9  # read at a measurement, not interpolated
     assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
     # the same rows at matched FLOPs: uniform depth's FLOPs at those depths
     flops = [model.inference_flops(d, 1, 32) for d in (3 * f / 8 for f in range(3, 8))]

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_flops_per_token_matches_a_hand_count():
     loops, n_grad = 5, 2
     hand = 3 * fwd_outer + 3 * n_grad * fwd_core + (loops - n_grad) * fwd_core
     assert model.flops_per_token(loops, n_grad, T) == hand
-    assert bench.fwd_flops(model, 2, T) == fwd_outer + 2 * fwd_core
+    assert model.inference_flops(2, 1, T) == fwd_outer + 2 * fwd_core
 
 
 def test_dense_twin_has_the_recurrent_forward_flops_within_half_a_block():
@@ -35,11 +36,12 @@ def test_dense_twin_has_the_recurrent_forward_flops_within_half_a_block():
     rec = GPT(GPTConfig(**TINY))
     dense = bench.dense_twin(rec, C)
     block_fwd = 2 * 9216 + 2048  # one plain block's forward: 2N + attention
-    target, got = bench.fwd_flops(rec, 2, 16), bench.fwd_flops(dense, 0, 16)
+    target, got = rec.inference_flops(2, 1, 16), dense.inference_flops(1, 1, 16)
     assert abs(got - target) <= 0.5 * block_fwd
     assert (dense.config.n_core, dense.config.n_coda, dense.config.n_embd) == (0, 0, 32)
     x = torch.randint(64, (2, 16))
-    assert dense.readout(dense.prelude(x)).shape == (2, 16, 64)
+    assert dense(x, loops=1)[0].shape == (2, 16, 64)
+    assert torch.equal(dense(x, loops=1)[0], dense(x, loops=1)[0])  # s_0 = 0: no noise
 
 
 def test_bench_runs_end_to_end_and_depth_changes_do_not_recompile(tmp_path, monkeypatch):
@@ -92,13 +94,48 @@ def test_frontier_on_a_hand_made_curve():
     assert bench.iso_loss_speedup(front, 4.5, 500.0)[1] == "above"
 
 
-def test_realization_from_a_fake_timing_table():
-    # uniform r = 1..4 cost 10, 20, 30, 40 MFLOP/token and run 400, 200, 133, 100 tokens/s
-    costs, speeds = [10e6, 20e6, 30e6, 40e6], [400.0, 200.0, 133.0, 100.0]
-    # an exit policy at 25 MFLOP/token: the frontier runs 166.5 tokens/s there
-    assert bench.realization(costs, speeds, 25e6, 150.0) == pytest.approx(150 / 166.5)
-    assert bench.realization(costs, speeds, 25e6, 166.5) == pytest.approx(1.0)
-    assert bench.realization(costs, speeds, 50e6, 100.0) is None  # beyond the frontier's costs
+def fake_allocation():
+    """Uniform r = 1..4 (10..40 MFLOP/token) and an exit with many placed thresholds, its loops
+    falling as the threshold rises (as allocate.py sorts them); per-window losses of 8 windows."""
+    a0 = [dict(threshold=r, avg_depth=r, flops=r * 10e6, loss=loss)
+          for r, loss in zip((1, 2, 3, 4), (4.0, 3.0, 2.5, 2.6))]
+    depths = (4.5, 3.9, 3.3, 3.1, 2.6, 2.05, 1.9, 1.5, 1.2)
+    a1 = [dict(threshold=0.01 * (i + 1), avg_depth=d, flops=d * 10e6, loss=5.0 - d)
+          for i, d in enumerate(depths)]
+    table = [{"avg_depth": d} for d in (1.5, 1.6, 2.0, 3.0, 3.5)]  # 1.5 and 1.6: one point
+    noise = torch.linspace(-0.01, 0.01, 8).double().numpy()
+    pw = {k: ([[p["loss"] + e for e in noise] for p in c],) for k, c in (("A0", a0), ("A1", a1))}
+    pw = {k: tuple(map(np.array, arrays)) for k, arrays in pw.items()}
+    return {"curves": {"A0": a0, "A1": a1}, "table": table}, pw
+
+
+def test_exits_are_timed_only_near_the_tables_loops_at_their_original_indices():
+    alloc, _ = fake_allocation()
+    assert bench.timed_points(alloc, "A0") == [0, 1, 2, 3]  # every uniform depth
+    # 1.5 -> 1.5 (index 7), 1.6 -> 1.5 again, 2.0 -> 2.05 (5), 3.0 -> 3.1 (3), 3.5 -> 3.3 (2)
+    assert bench.timed_points(alloc, "A1") == [2, 3, 5, 7]
+    alloc["table"] = [{"avg_depth": d} for d in (1.2, 1.5, 1.9, 2.05, 2.6, 3.1, 3.3, 3.9)]
+    assert len(bench.timed_points(alloc, "A1")) == 5  # at most 5 a policy
+
+
+def test_frontier_rows_read_each_timed_point_against_uniform(capsys):
+    alloc, pw = fake_allocation()
+    # uniform r = 1..4 run 400, 200, 133, 100 tokens/s; A1's points 2 (33 MFLOP/token), 6 (19) and 0
+    # (45: beyond every uniform cost); 6 has loss 3.1 and 0 has 0.5, below every uniform loss
+    speeds = {("A0", 0): 400.0, ("A0", 1): 200.0, ("A0", 2): 133.0, ("A0", 3): 100.0,
+              ("A1", 2): 150.0, ("A1", 6): 300.0, ("A1", 0): 90.0}
+    rows = bench.frontier_rows(alloc, pw, speeds, seed=0)
+    assert [r["policy"] for r in rows] == ["A0"] * 4 + ["A1"] * 3
+    assert [r["threshold"] for r in rows[4:]] == [alloc["curves"]["A1"][i]["threshold"] for i in (2, 6, 0)]
+    point2, point6, point0 = rows[4:]
+    # realization: tokens/s over uniform depth's at the same FLOPs (33 MFLOP/token: 133 + 0.3 * -33)
+    assert point2["realization"] == pytest.approx(150 / (133 - 0.3 * 33))
+    assert point6["realization"] == pytest.approx(300 / (400 - 0.9 * 200))
+    assert point0["realization"] is None  # beyond the uniform costs
+    # iso-loss: 6 at loss 3.1 against the frontier's 200 + 0.1 * 200 = 220 at loss 3.1
+    assert point6["where"] == "inside" and point6["speedup"]["value"] == pytest.approx(300 / 220)
+    assert point6["speedup"]["interval"][0] <= 300 / 220 <= point6["speedup"]["interval"][1]
+    assert point0["where"] == "below" and "below uniform" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +160,14 @@ def test_frontier_bench_times_every_policy_and_reads_it_against_uniform(allocate
     saved = json.loads((allocated / "out" / f"{frontier}_bench.json").read_text())
     batches = ["1", "8", "32"] if frontier == "generation" else ["1", "4"]
     assert [k for k in saved if k.isdigit()] == batches and set(out) - {"command", "date"} == set(map(int, batches))
+    alloc = json.loads((allocated / "out" / "allocate.json").read_text())
+    timed = [(k, i) for k in ("A0", "A1", "A1s") for i in bench.timed_points(alloc, k)]
+    assert all(len(bench.timed_points(alloc, k)) <= 5 for k in ("A1", "A1s"))
     for rows in out.values():
         if not isinstance(rows, list):
             continue
-        assert [r["policy"] for r in rows] == ["A0"] * 4 + ["A1"] * 2 + ["A1s"] * 2
+        assert [(r["policy"], r["threshold"]) for r in rows] == [(k, alloc["curves"][k][i]["threshold"])
+                                                                  for k, i in timed]
         assert all(r["tokens_per_s"] > 0 for r in rows)
         for r in rows[4:]:
             assert r["speedup"]["value"] > 0 and (r["realization"] is None or r["realization"] > 0)

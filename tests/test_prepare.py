@@ -115,11 +115,12 @@ def test_max_tokens_caps_both_splits(txt_corpus):
     assert meta["train_tokens"] == len(bins["train"]) == 400
 
 
-def test_dtype_choice_and_uint32_bins(workdir):
-    assert prepare.dtype_for(256) == "uint16"
-    assert prepare.dtype_for(65536) == "uint16"  # ids 0..65535 still fit
-    assert prepare.dtype_for(65537) == "uint32"
-    assert prepare.dtype_for(151_646) == "uint32"
+def test_dtype_choice_and_uint32_bins(txt_corpus, monkeypatch):
+    for vocab_size, dtype in ((256, "uint16"), (65536, "uint16"), (65537, "uint32"), (151_646, "uint32")):
+        one_token = (lambda texts: [[1] for _ in texts], vocab_size, 0, None)  # ids 0..65535 fit uint16
+        monkeypatch.setattr(prepare, "get_tokenizer", lambda spec, train: one_token)
+        prepare.main(["corpus", "--name", f"v{vocab_size}"])
+        assert read_dataset(f"v{vocab_size}")[0]["dtype"] == dtype
     fake_encode = lambda texts: [[70_000 + len(t), 65_536] for t in texts]  # noqa: E731 ids past uint16
     n, n_bytes = prepare.write_bin("x.bin", ["a", "bb", "ccc"], fake_encode, 99_999, "uint32")
     got = np.memmap("x.bin", dtype="uint32", mode="r")
@@ -138,10 +139,10 @@ def test_load_tokenizer_roundtrip(txt_corpus):
     assert encode(EOT) == [0] and decode([0]) == EOT
 
 
-def test_load_tokenizer_without_meta_dies(workdir):
+def test_a_dataset_without_meta_dies(workdir):
     Path("data/empty").mkdir(parents=True)
-    with pytest.raises(SystemExit) as e:
-        prepare.load_tokenizer("data/empty")
+    with pytest.raises(SystemExit) as e:  # what sample.py and evaluate.py open before load_tokenizer
+        prepare.open_dataset("empty", splits=())
     assert e.value.code != 0
 
 
@@ -496,11 +497,18 @@ def test_downloaded_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch,
     assert e.value.code == 2 and err.count("\n") == 1 and "needs network access" in err
 
 
-def test_fineweb_sample_holds_what_is_asked():
-    assert prepare.fineweb_sample(None) == "sample-10BT"  # no cap: the whole 10B sample, as before
-    assert prepare.fineweb_sample(100_000_000) == "sample-10BT"
-    assert prepare.fineweb_sample(9 * 10 ** 9) == "sample-10BT"
-    assert prepare.fineweb_sample(13_000_000_000) == "sample-100BT"  # S1's prepare (README)
+def test_fineweb_sample_holds_what_is_asked(monkeypatch):
+    import datasets
+
+    def named(path, name=None, split=None, streaming=False):
+        raise LookupError(name)  # the sample asked for, before any download
+    monkeypatch.setattr(datasets, "load_dataset", named)
+    for max_tokens, sample in ((None, "sample-10BT"),  # no cap: the whole 10B sample, as before
+                               (100_000_000, "sample-10BT"), (9 * 10 ** 9, "sample-10BT"),
+                               (13_000_000_000, "sample-100BT")):  # S1's prepare (README)
+        with pytest.raises(LookupError) as e:
+            prepare.hub("fineweb-edu", 0.005, max_tokens)
+        assert e.value.args == (sample,)
 
 
 def test_ctrl_c_is_one_line_and_keeps_the_dataset(txt_corpus, monkeypatch, capsys):
