@@ -1,5 +1,4 @@
-"""
-The paper's per-token depth policies on a frozen checkpoint, against uniform
+"""The paper's per-token depth policies on a frozen checkpoint, against uniform
 depth at matched loops and at matched FLOPs per token (zero init, r_max, no
 stop before loop 2): A0 uniform r; A1 stops once KL(p_i || p_{i-1}) < eps;
 A1s once the relative state change is; A2 once a probe on s_i, fit on train
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from configurator import configure, die, run
-from evaluate import load_windows, markdown, pyplot, trace
+from evaluate import load_windows, markdown, pyplot, save, trace
 from model import MIN_EXIT_LOOP, autocast, checkpoint_id, default_r_max
 from model import exit_score, load_checkpoint, token_loss, save_atomic
 from prepare import open_dataset
@@ -42,8 +41,9 @@ RULES = dict(out_dir=str, windows=(1, 2 ** 20), train_windows=(2, 2 ** 20), r_ma
              batch_size=(1, 4096), n_grid=(2, 100), tolerance=(1e-3, 10.0), probe_steps=(1, 10 ** 6),
              bootstrap=(10, 10 ** 6), seed=(0, 2 ** 32 - 1), plot=bool, device=str,
              dtype=("float32", "bfloat16"))
-POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state exit", "A2": "A2 router"}
+POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
 CRITERION = {"A1": "kl", "A1s": "state", "A2": "probe"}
+ROWS = [f / 8 for f in range(3, 8)]  # the matched tables' rows, times mean_loops
 
 
 # ---- the realized engine
@@ -155,7 +155,7 @@ def fit_router(model, twins, C, r_max):
     grids = {"A1": log_grid(harvest["kl"][1:], C.n_grid),
              "A1s": log_grid(harvest["dstate_rel"][1:], C.n_grid),
              "A2": log_grid(prob(states[:, n_fit:]).flatten(), C.n_grid)}
-    info = {"accuracy": accuracy, "majority": majority, "positive_rate": labels.float().mean().item()}
+    info = {"accuracy": accuracy, "majority": majority}
     return prob, info, grids
 
 
@@ -229,7 +229,7 @@ def estimate(stat, pw, n_resamples, seed, **kwargs):
 
 # ---- the measurements
 def measure(model, batches, r_max, key, threshold, probe):
-    """One threshold on the realized engine -> per-window (loss, loops, FLOPs per token)."""
+    """One threshold on the realized engine -> per-window (loss, loops, FLOPs)."""
     runs = [realized_exit(model, x, y, r_max, CRITERION[key], threshold, probe) for x, y in batches]
     loss = torch.cat([run[0].mean(1) for run in runs]).double().cpu().numpy()
     depth = torch.cat([run[1].float().mean(1) for run in runs]).double().cpu().numpy()
@@ -238,38 +238,27 @@ def measure(model, batches, r_max, key, threshold, probe):
     return loss, depth, model.inference_flops(depth, readouts, T, depth - 1, CRITERION[key])
 
 
-def place(measure_at, points, axis, target, tol, depths, tries=10):
+def place(measure_at, points, axis, target, tol, tries=10):
     """Measure thresholds until a row read at target along axis (0 loss, 1
     loops, 2 FLOPs) lies within tol loops of a measurement: false position on
-    log(threshold), bisection when one end sticks. Loss rises with the
-    threshold, loops and FLOPs fall; depths: (least, most) loops. points:
-    {threshold: per-window (loss, loops, flops)}, filled in place."""
-    if axis == 1 and not depths[0] <= target <= depths[1]:
-        return  # no threshold runs that deep (or that shallow)
+    log(threshold), bisection when one end sticks. A target the grid does not
+    bracket stays unmeasured. points: {threshold: per-window (loss, loops,
+    flops)}, filled in place."""
     sides = []
     for _ in range(tries):
         ts = sorted(points)
         above = [points[t][axis].mean() >= target for t in ts]
         cross = [i for i in range(len(ts) - 1) if above[i] != above[i + 1]]
-        if cross:  # the shallowest crossing: where a curve first reaches it
-            t0, t1 = ts[cross[-1]:cross[-1] + 2]
-            v0, v1 = (points[t][axis].mean() for t in (t0, t1))
-            d0, d1 = (points[t][1].mean() for t in (t0, t1))
-            w = (target - v0) / (v1 - v0)  # the row's place between them
-            if min(w, 1 - w) * abs(d1 - d0) <= tol:
-                return
-            stuck = len(sides) > 1 and sides[-1] == sides[-2]
-            t = math.sqrt(t0 * t1) if stuck else t0 * (t1 / t0) ** w
-        elif all(above) == (axis != 0):  # too deep everywhere: a decade further
-            t = ts[-1] * 10
-            if points[ts[-1]][1].mean() <= depths[0]:  # every token already stops at once
-                return
-        else:
-            t = ts[0] / 10
-            if points[ts[0]][1].mean() >= depths[1]:  # no token stops
-                return
-        if t in points:
+        if not cross:
             return
+        t0, t1 = ts[cross[-1]:cross[-1] + 2]  # the shallowest crossing
+        v0, v1 = (points[t][axis].mean() for t in (t0, t1))
+        d0, d1 = (points[t][1].mean() for t in (t0, t1))
+        w = (target - v0) / (v1 - v0)  # the row's place between them
+        if min(w, 1 - w) * abs(d1 - d0) <= tol:
+            return
+        stuck = len(sides) > 1 and sides[-1] == sides[-2]
+        t = math.sqrt(t0 * t1) if stuck else t0 * (t1 / t0) ** w
         points[t] = measure_at(t)
         sides.append(points[t][axis].mean() >= target)
 
@@ -283,7 +272,7 @@ def sweep(model, X, Y, C, r_max, grids, probe):
     a0 = torch.cat([trace(model, x, y, r_max)["loss"].mean(2) for x, y in batches], 1)
     loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], len(X), 1)
     pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, 1, T))}
-    rows = table_depths(model.config.mean_loops)
+    rows = [model.config.mean_loops * f for f in ROWS]
     uniform_flops = np.interp(rows, loops[:, 0], pw["A0"][2][:, 0])
     targets = [(1, d) for d in rows] + [(2, f) for f in uniform_flops]
     targets.append((0, bar_loss(pw, model.config.mean_loops)))
@@ -292,14 +281,10 @@ def sweep(model, X, Y, C, r_max, grids, probe):
         measure_at = partial(measure, model, batches, r_max, key, probe=probe)
         points = {t: measure_at(t) for t in grids[key]}
         for axis, target in tqdm(targets, desc=f"{key} placing", file=sys.stderr):
-            place(measure_at, points, axis, target, C.tolerance, (MIN_EXIT_LOOP, r_max))
+            place(measure_at, points, axis, target, C.tolerance)
         thresholds[key] = sorted(points)
         pw[key] = tuple(np.stack([points[t][i] for t in thresholds[key]]) for i in range(3))
     return pw, thresholds
-
-
-def table_depths(mean):
-    return [mean * f / 8 for f in range(3, 8)]  # the matched table's rows
 
 
 def summarize(pw, C, mean):
@@ -312,7 +297,7 @@ def summarize(pw, C, mean):
             for suffix, stat in stats.items():
                 est = estimate(stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
                 res["at_bar"][key][axis + suffix] = est
-    for depth in table_depths(mean):
+    for depth in (mean * f for f in ROWS):
         # the FLOPs of uniform depth at that many loops
         flops = float(np.interp(depth, pw["A0"][1][:, 0], pw["A0"][2][:, 0]))
         for x, cost, table in ((1, depth, "table"), (2, flops, "table_flops")):
@@ -359,27 +344,23 @@ def print_report(res):
           f"(majority class {res['probe']['majority']:.3f}).")
 
 
-def allocation_figure(res, path):
+def allocation_figure(res, out_dir):
     """Every policy's (average loops, loss) curve and the uniform-mean bar."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.4))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4.4))
     for key, points in res["curves"].items():
         depth, loss = zip(*sorted((p["avg_depth"], p["loss"]) for p in points))
         ax.plot(depth, loss, "o-" if key == "A0" else ".-", label=POLICIES[key])
     ax.axhline(res["bar"], color="k", linestyle=":", label=f"uniform r={res['mean_loops']}")
     ax.set(xlabel="average loops per token", ylabel="loss (nats)", title="Allocation")
-    ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, out_dir, "allocate.png")
 
 
 def main(argv=()):
     C, _ = configure(globals(), RULES, list(argv))
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(ckpt_path, C.device)
-    if not os.access(C.out_dir, os.W_OK):  # now, not after minutes of sweeps
+    if not os.access(C.out_dir, os.W_OK):  # before minutes of sweeps
         die(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
     r_max = C.r_max or default_r_max(model.config)
@@ -410,7 +391,7 @@ def main(argv=()):
     res["seconds"] = time.perf_counter() - t_start
     save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
     if C.plot:
-        allocation_figure(res, os.path.join(C.out_dir, "allocate.png"))
+        allocation_figure(res, C.out_dir)
     print(f"\nwrote {C.out_dir}/allocate.json in {res['seconds']:.0f}s")
     return res
 

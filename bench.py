@@ -30,11 +30,11 @@ from sample import generate, initial_states, sample_next
 warmup_steps = 2  # untimed steps per model (compiles happen here)
 bench_steps = 4  # timed training steps per model per round
 rounds = 3  # timed rounds; every configuration keeps its median
-vocab_size = 1024  # training: random tokens of this vocabulary (S0/S1: 49152)
+vocab_size = 1024  # training: random tokens (S0/S1: 49152)
 frontier = "none"  # 'scoring' or 'generation': time allocate.json's policies
 timing_windows = 16  # scoring: windows timed (allocate.py's first ones)
 bench_tokens = 128  # generation: prompt length and new tokens per sequence
-cache = "exact"  # generation: sample.py's core cache, 'exact' or 'latest'
+cache = "latest"  # generation: sample.py's core cache, 'latest' or 'exact'
 BENCH_RULES = dict(warmup_steps=(1, 1000), bench_steps=(1, 10 ** 5), rounds=(1, 1000),
                    vocab_size=(2, 2 ** 20), frontier=("none", "scoring", "generation"),
                    timing_windows=(1, 10 ** 5), bench_tokens=(1, 10 ** 5),
@@ -96,7 +96,7 @@ def bench_training(C, out):
     configs, flops = {}, {}
     for name, m in models.items():
         opt = m.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), "cpu")
-        if C.compile:  # per part, as train.py: the depth loop stays outside the graphs
+        if C.compile:  # per part, as train.py
             for part in (m.prelude_blocks, m.core, m.coda_blocks):
                 part.compile(backend=C.compile_backend)
         loops = depths if name == "recurrent" else [1] * len(depths)
@@ -189,7 +189,7 @@ def frontier_rows(alloc, pw, speeds, seed):
     return rows
 
 
-@torch.no_grad()  # a graph per forward would hold its activations: 24 GB on the CPU default
+@torch.no_grad()  # a graph per forward held 24 GB of activations on the CPU default
 def policy_run(C, model, wins, batch, criterion, setting, alloc):
     """Uniform depth (criterion 'none', setting r) or an exit at threshold
     `setting`: over the windows, or generating from bench_tokens prompts."""
@@ -200,7 +200,7 @@ def policy_run(C, model, wins, batch, criterion, setting, alloc):
         return generate(model, wins[:batch, :C.bench_tokens], C.bench_tokens, loops, s0,
                         greedy, criterion, setting, alloc["r_max"], cache=C.cache)
     for x, y in zip(wins[:, :-1].split(batch), wins[:, 1:].split(batch)):
-        if uniform:  # the same work as an exit's run: forward and per-token loss
+        if uniform:  # the work of an exit's run: forward, per-token loss
             token_loss(model(x, loops=setting, state_init="zero")[0], y)
         else:
             realized_exit(model, x, y, alloc["r_max"], criterion, setting)
@@ -208,14 +208,14 @@ def policy_run(C, model, wins, batch, criterion, setting, alloc):
 
 def bench_frontier(C, out):
     model, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"), C.device)
-    if not os.access(C.out_dir, os.W_OK):  # now, not after minutes of timing
+    if not os.access(C.out_dir, os.W_OK):  # before minutes of timing
         die(f"--out_dir={C.out_dir} is not writable")
-    path = os.path.join(C.out_dir, "allocate.json")  # of this very checkpoint (run and step)
+    path = os.path.join(C.out_dir, "allocate.json")  # of this very checkpoint
     if not os.path.isfile(path):
         die(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first")
     alloc = json.load(open(path))
     if alloc["checkpoint"].get("id") != checkpoint_id(ckpt):
-        die(f"{path} is from another checkpoint than {checkpoint_id(ckpt)}: rerun allocate.py")
+        die(f"{path} is not from {checkpoint_id(ckpt)}: rerun allocate.py")
     pw = {k: tuple(np.array(a) for a in arrays) for k, arrays in alloc["per_window"].items()}
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, C.out_dir, splits=("val",))
     generation = C.frontier == "generation"

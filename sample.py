@@ -1,7 +1,6 @@
-"""
-Sampling with KV caches at a fixed or per-token adaptive depth, batched continuously (each
-core call runs every token still looping, at its loop), past block_size (the crop and K/V
-rules: README.md, "Generation past block_size"):
+"""Sampling with KV caches at a fixed or per-token adaptive depth, batched
+continuously (each core call runs every token still looping, at its loop),
+past block_size (README.md, "Generation past block_size"):
     python sample.py --exit kl --start FILE:prompt.txt
 """
 import sys
@@ -27,7 +26,7 @@ loops = 0  # per token (adaptive: prefills'); 0: mean_loops
 exit = "none"  # 'none' (fixed depth), 'kl' or 'state'
 exit_threshold = 1e-3  # a token stops below it
 r_max = 0  # adaptive: the deepest loop; 0: 2 x mean_loops
-cache = "exact"  # a slot per loop; or 'latest' (Huginn's): r_max x less memory
+cache = "latest"  # Huginn's, a slot a sequence (README); 'exact': a slot a loop
 state_init = "noise"  # 'noise' (as trained) or 'zero'
 device = "cuda" if torch.cuda.is_available() else "cpu"  # or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
@@ -91,7 +90,7 @@ def sample_next(logits, seqs, temperature, top_k, generators):
 
 
 def prefill(model, caches, out, s0, seqs, cols, loops):
-    """out[seqs, cols] (n, T) from s0[seqs, cols] at 0..T-1, `loops` each -> (n, V)."""
+    """out[seqs, cols] (n, T) from s0[seqs, cols] at 0..T-1, `loops` each -> logits."""
     B, core, coda = len(caches["prelude"][0].k), caches["core"], caches["coda"]
     pos = torch.arange(cols.size(1), device=cols.device).expand_as(cols)
     rows = slots(caches["prelude"], B, seqs, 0)
@@ -132,7 +131,7 @@ def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
 
 @torch.no_grad()
 def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_max=0, cache="exact"):
-    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d); pick(logits (n, V), seqs (n,)) -> (n,).
+    """n_new tokens after idx (B, T0) from s0 (B, T0 + n_new, d); pick(logits, seqs) -> ids.
     -> (out, each row's loops per fed token, seconds after prefill)."""
     B, T0 = idx.shape
     block, half = model.config.block_size, model.config.block_size // 2
@@ -143,7 +142,7 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_m
     loop = idx.new_zeros(B)  # loops of each token in flight
     e = s0.new_zeros(B, 1, s0.size(-1))  # its prelude output
     s = torch.zeros_like(e)  # its state
-    kl = s0.new_zeros(B, model.config.vocab_size if exit == "kl" else 0)  # its last logits
+    kl = s0.new_zeros(B, model.config.vocab_size if exit == "kl" else 0)  # last logits
     depths = idx.new_zeros(B, n_new - 1)  # loops each fed token ran
     seqs = torch.arange(B, device=idx.device)
     cols = torch.arange(max(0, T0 - block), T0, device=idx.device)
@@ -182,7 +181,7 @@ def main(argv=()):
     model, ckpt = load_checkpoint(path, C.device)
     loops = C.loops or model.config.mean_loops
     r_max = C.r_max or default_r_max(model.config)
-    if C.exit != "none" and r_max < MIN_EXIT_LOOP:  # an exit compares two loops
+    if C.exit != "none" and r_max < MIN_EXIT_LOOP:  # it compares two loops
         die(f"--r_max {r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
     encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, ())[0])
     text = C.start

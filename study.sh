@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
-# train.py prepares Shakespeare itself the first time) and its fixed-depth control, evaluate both,
-# run the allocation study, time the exits against uniform depth (scoring and generation), and
-# collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
-#   ./study.sh                              out-shakespeare and out-shakespeare-fixed (~50 min on 2 cores)
-#   ./study.sh out-mine config/mine.py      another run: its out_dir, then any train.py arguments
+# train.py prepares Shakespeare itself the first time), its fixed-depth control, the study model
+# (config/study.py: the default trained 5x longer) and its dense twin (config/study_dense.py);
+# evaluate them, run the allocation study on the default and the study model, time the exits
+# against uniform depth (scoring and generation), and collect the figures as
+# figures/<run>_*.png, so two studies never overwrite each other's.
+#   ./study.sh                              (~110 min on 2 idle cores: ~80 of it training)
+#   ./study.sh out-mine config/mine.py      another first run: its out_dir, then train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
 # <run>_times.txt.
 set -euo pipefail
@@ -28,14 +30,20 @@ train() {  # train OUT_DIR ARGS...: skipped when OUT_DIR/ckpt.pt exists
 }
 train "$out" "$@"
 train "$out-fixed" "$@" --loop_dist=fixed
+train out-study config/study.py
+train out-study_dense config/study_dense.py
 loops=1,2,3,4,6,8,12,16,32
 step python evaluate.py --out_dir="$out-fixed" --loops=$loops
 step python evaluate.py --out_dir="$out" --loops=$loops --plot --versus="$out-fixed"
+step python evaluate.py --out_dir=out-study --loops=$loops --plot
+step python evaluate.py --out_dir=out-study_dense --loops=1
 step python allocate.py --out_dir="$out" --plot
+step python allocate.py --out_dir=out-study --plot
 step python bench.py --out_dir="$out" --frontier=scoring
 step python bench.py --out_dir="$out" --frontier=generation
 mkdir -p figures
-name=$(basename "$out")
-for figure in "$out"/*.png; do
-    cp "$figure" "figures/${name}_$(basename "$figure")"
+for run in "$out" out-study; do
+    for figure in "$run"/*.png; do
+        cp "$figure" "figures/$(basename "$run")_$(basename "$figure")"
+    done
 done

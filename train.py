@@ -60,8 +60,9 @@ peak_flops = 0.0  # MFU's FLOP/s; 0: the card's datasheet bf16 peak
 guard_grace_iters = 100  # steps before the 0.1% skip budget
 memory_limit_gb = 0.0  # refuse a run predicted above it; 0: the device's memory
 INT = (0, 2**31)
+POS = (1, 2**31)
 RULES = dict(
-    out_dir=str, eval_interval=(1, 2**31), log_interval=(1, 2**31), eval_iters=(1, 2**31),
+    out_dir=str, eval_interval=POS, log_interval=POS, eval_iters=POS,
     always_save_checkpoint=bool, init_from=("scratch", "resume"), overwrite_checkpoint=bool, dataset=str,
     gradient_accumulation_steps=(1, 2**20), batch_size=(1, 2**20), block_size=(2, 2**20),
     n_embd=(2, 2**16), n_head=(1, 1024), n_kv_head=(1, 1024), ffn_hidden=(1, 2**18),
@@ -99,7 +100,7 @@ def get_lr(it, C):
 def get_batch(C, meta, split, generator):
     """(x, y) token ids, each (batch_size, block_size)."""
     path = os.path.join("data", C.dataset, f"{split}.bin")
-    data = np.memmap(path, dtype=meta["dtype"], mode="r")  # reopened: avoids a memmap leak
+    data = np.memmap(path, dtype=meta["dtype"], mode="r")  # reopened: no memmap leak
     if len(data) < C.block_size + 2:
         die(f"{path} has {len(data)} tokens, fewer than block_size + 2")
     ix = torch.randint(len(data) - C.block_size - 1, (C.batch_size,), generator=generator).tolist()
@@ -163,7 +164,7 @@ def build(C, given, log):
         have = torch.cuda.get_device_properties(C.device).total_memory
     parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in need.items() if k != "total")
     total = need["total"] / 1e9
-    log(f"memory per micro-step: {total:.3g} GB predicted ({parts}); {have / 1e9:.1f} GB available")
+    log(f"memory per micro-step: {total:.3g} GB ({parts}); {have / 1e9:.1f} GB available")
     if need["total"] > have:
         per_row = need["activations"] / C.batch_size
         fits = int((have - need["total"] + need["activations"]) // per_row)
@@ -178,7 +179,7 @@ def build(C, given, log):
         return model, optimizer, g_data, meta, 0, math.inf
     model.load_state_dict(ckpt["model"])
     for old, new in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
-        old.update(weight_decay=new["weight_decay"], betas=new["betas"])  # today's values
+        old.update(weight_decay=new["weight_decay"], betas=new["betas"])  # today's
     optimizer.load_state_dict(ckpt["optimizer"])
     rng = ckpt["rng"]
     if len(rng["data"]) != C.world:
@@ -195,7 +196,7 @@ def evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log):
     """Losses on fixed batches; a checkpoint if finite. -> best val loss."""
     losses = {}
     for split in ("train", "val"):
-        g_batch = torch.Generator().manual_seed(C.seed + 1)  # the run's streams stay put
+        g_batch = torch.Generator().manual_seed(C.seed + 1)  # not the run's streams
         g_noise = torch.Generator(device=C.device).manual_seed(C.seed + 2)
         total = 0.0
         for _ in range(C.eval_iters):
@@ -285,12 +286,12 @@ def main(argv=()):
     log(f"model: {model.get_num_params() / 1e6:.2f}M unique non-embedding params, "
         f"{model.get_num_params(False) / 1e6:.2f}M total; loops {C.loop_dist} mean {C.mean_loops} "
         f"max {C.max_loops}, bptt_k {C.bptt_k}; {C.device} {C.dtype}")
-    with torch.no_grad(), autocast(C.device, C.dtype):  # the paper's dtype bug hid for a run
+    with torch.no_grad(), autocast(C.device, C.dtype):  # the paper's hidden dtype bug
         model(torch.zeros(1, 1, dtype=torch.long, device=C.device), loops=1, state_init="zero")
     seen = [f"{name.split('.')[0]} {[str(d).removeprefix('torch.') for d in module.seen_dtypes]}"
-            for name, module in model.named_modules() if name.endswith("0.attn")]
+            for name, module in model.named_modules() if name.endswith(".0.attn")]
     log("attention input dtypes (q, k, v): " + ", ".join(seen))
-    if C.compile:  # per part: a new depth never recompiles
+    if C.compile:  # per part: no recompile per depth
         log(f"compiling prelude, core and coda ({C.compile_backend})")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(backend=C.compile_backend)
@@ -303,7 +304,7 @@ def main(argv=()):
             best_val = evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log)
         history.append(train_step(model, optimizer, g_data, C, meta, it, log, skipped))
     evaluate_and_save(model, optimizer, g_data, C, meta, max(start, C.max_iters), best_val, log)
-    if C.world > 1:  # together: a rank leaving while rank 0 still saves aborted in gloo
+    if C.world > 1:  # together: a rank leaving early aborted gloo
         dist.barrier()
         dist.destroy_process_group()
     return history

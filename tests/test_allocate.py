@@ -104,14 +104,14 @@ def test_thresholds_are_placed_within_the_tolerance_of_each_target():
         return 5 - 0.1 * depth, depth, 1e6 * depth
     points = {t: measure_at(t) for t in (1e-5, 1e-1)}
     for target in (3.0, 4.5, 6.0, 7.5):
-        allocate.place(measure_at, points, 1, target, 0.05, (2, 8))
+        allocate.place(measure_at, points, 1, target, 0.05)
         assert min(abs(p[1].mean() - target) for p in points.values()) <= 0.05
-    allocate.place(measure_at, points, 2, 5.2e6, 0.05, (2, 8))  # on FLOPs
+    allocate.place(measure_at, points, 2, 5.2e6, 0.05)  # on FLOPs
     assert min(abs(p[2].mean() - 5.2e6) for p in points.values()) <= 0.05e6
-    allocate.place(measure_at, points, 0, 4.55, 0.05, (2, 8))  # on loss (rises with the threshold)
+    allocate.place(measure_at, points, 0, 4.55, 0.05)  # on loss (rises with the threshold)
     assert min(abs(p[1].mean() - 4.5) for p in points.values()) <= 0.05
     n = len(calls)
-    allocate.place(measure_at, points, 1, 1.5, 0.05, (2, 8))  # below 2 loops: unreachable, gives up
+    allocate.place(measure_at, points, 1, 1.5, 0.05)  # below the grid (2 loops): left unmeasured
     assert len(calls) == n and n <= 20
 
 

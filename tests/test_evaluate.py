@@ -154,7 +154,7 @@ def test_eval_json_schema_ranges_and_figures(indir, tmp_path, capsys):
     assert [r["class"] for r in tc["rows"]] == list(evaluate.CLASSES)
     assert sum(r["count"] for r in tc["rows"]) == 6 * 32  # every target token, once
     assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in tc["rows"])
-    for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes", "vs_fixed"):
+    for name in ("eval_loss_vs_loops", "eval_convergence", "eval_token_classes"):
         assert Path(f"out-tiny/{name}.png").read_bytes()[:4] == b"\x89PNG"
     # the control's loss beside this one's at each loop count, nan where it has none
     assert [r["control_loss"] for r in saved["elasticity"]] == [10.0, None, 13.0, None, None]

@@ -164,7 +164,7 @@ def test_bad_shapes_are_value_errors_naming_the_field():
     for bad, message in (({"n_embd": 30, "n_head": 4}, "n_head=4 must divide n_embd=30"),
                          ({"n_kv_head": 3}, "n_kv_head=3 must divide n_head"),
                          ({"n_embd": 24, "n_head": 8, "n_kv_head": 1}, "head size n_embd / n_head = 3 must be even"),
-                         ({"mean_loops": 7}, "mean_loops=7 must be <= max_loops=6"),
+                         ({"mean_loops": 7}, "mean_loops=7 > max_loops=6"),
                          ({"n_head": 0}, "n_head=0: must be a positive int"),
                          ({"block_size": -1}, "block_size=-1"),
                          ({"n_embd": 32.0}, "n_embd=32.0"),
