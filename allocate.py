@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from configurator import configure, die, run
 from evaluate import load_windows, markdown, pyplot, save, trace
-from model import MIN_EXIT_LOOP, autocast, checkpoint_id, default_r_max
+from model import MIN_EXIT_LOOP, R_MAX_PER_MEAN, autocast, checkpoint_id
 from model import exit_score, load_checkpoint, token_loss, save_atomic
 from prepare import open_dataset
 
@@ -30,7 +30,7 @@ train_windows = 32  # A2's label windows from train.bin (never evaluated)
 r_max = 0  # the deepest loop any policy may run; 0: 2 x mean_loops
 batch_size = 8  # windows per call: the B of depth-wise batching
 n_grid = 4  # starting thresholds per policy (then placed by bisection)
-tolerance = 0.05  # loops: every table row and the bar within it of a measurement
+tolerance = 0.05  # loops: each table row within it of a measurement
 probe_steps = 300  # full-batch Adam steps for A2's logistic probe
 bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
@@ -65,8 +65,7 @@ def active_positions(active):
 def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
     """Depth-wise batched exit over windows x (B, T), any B: each loop's core
     call carries every window's active tokens; a frozen token serves the K/V
-    of its last loop (one cache slot per window). -> per-token loss and loops
-    (B, T), and the core token-evaluations run (padding included)."""
+    of its last loop (one cache slot per window). -> per-token loss, loops (B, T)."""
     B, T = x.shape
     c = model.config
     kl = criterion == "kl"
@@ -77,7 +76,6 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
     logits = torch.zeros(B, T, c.vocab_size, device=x.device) if kl else None
     active = torch.ones(B, T, dtype=torch.bool, device=x.device)
     depth = torch.zeros(B, T, dtype=torch.long, device=x.device)
-    core_evals = 0
     for loop in range(1, r_max + 1):
         rows, pos, real = active_positions(active)
         if len(rows) == 0:
@@ -86,7 +84,6 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
         s_old = s[where]
         s_new = model.core_step(e[where], s_old, latest, pos, rows)
         new = model.readout(s_new, coda, pos, rows) if kl else None
-        core_evals += pos.numel()
         depth += active
         real_where = (rows[:, None].expand_as(pos)[real], pos[real])
         if loop >= MIN_EXIT_LOOP and criterion == "probe":
@@ -100,7 +97,7 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
             logits[real_where] = new[real].float()
     if not kl:
         logits = model.readout(s)
-    return token_loss(logits, y), depth, core_evals
+    return token_loss(logits, y), depth
 
 
 # ---- A2: the oracle-labelled router
@@ -125,7 +122,7 @@ def fit_probe(x_fit, y_fit, x_held, y_held, steps):
             F.binary_cross_entropy_with_logits(z_fit @ w + b, y_fit.float()).backward()
             opt.step()
 
-    def prob(s):  # the probe's input in float32, whatever the autocast
+    def prob(s):  # float32 input, whatever the autocast
         z = (s.float() - mu.to(s.device)) / sd.to(s.device)
         return torch.sigmoid(z @ w.detach().to(s.device) + b.detach())
 
@@ -363,18 +360,16 @@ def main(argv=()):
     if not os.access(C.out_dir, os.W_OK):  # before minutes of sweeps
         die(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
-    r_max = C.r_max or default_r_max(model.config)
+    r_max = C.r_max or R_MAX_PER_MEAN * mean
     if r_max < max(MIN_EXIT_LOOP, mean):
         die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
     length = model.config.block_size + 1
-    bins = {split: os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")}
-    wins = load_windows(bins["val"], meta["dtype"], C.windows, length, C.seed)
-    twins = load_windows(bins["train"], meta["dtype"], C.train_windows, length, C.seed + 1)
+    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed).to(C.device)
+    twins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
     print(f"{ckpt_path}: iter {ckpt['iter_num']}, mean_loops {mean}, r_max {r_max}; "
           f"{C.windows} val and {C.train_windows} train windows; {C.device} {C.dtype}")
     t_start = time.perf_counter()
-    wins = wins.to(C.device)
     with autocast(C.device, C.dtype):
         probe, probe_info, grids = fit_router(model, twins.to(C.device), C, r_max)
         pw, thresholds = sweep(model, wins[:, :-1], wins[:, 1:].contiguous(), C, r_max, grids, probe)

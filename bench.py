@@ -189,7 +189,7 @@ def frontier_rows(alloc, pw, speeds, seed):
     return rows
 
 
-@torch.no_grad()  # a graph per forward held 24 GB of activations on the CPU default
+@torch.no_grad()  # a graph per forward once held 24 GB
 def policy_run(C, model, wins, batch, criterion, setting, alloc):
     """Uniform depth (criterion 'none', setting r) or an exit at threshold
     `setting`: over the windows, or generating from bench_tokens prompts."""

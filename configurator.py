@@ -35,7 +35,7 @@ def read_config_file(path):
     scope = {}
     try:
         exec(compile(open(path, encoding="utf-8").read(), path, "exec"), scope)
-    except Exception as err:  # user code can raise anything: say where, not a traceback
+    except Exception as err:  # user code raises anything: say where, no traceback
         lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
         line = getattr(err, "lineno", None) or (lines or ["?"])[-1]
         die(f"{path}:{line}: {type(err).__name__}: {err}")
@@ -45,7 +45,7 @@ def read_config_file(path):
 def configure(script, rules, argv):
     """-> (settings namespace, the keys a config file or the command line set)."""
     defaults = {key: script[key] for key in rules}
-    if "--help" in argv:  # the script's docstring, then each setting's default and comment
+    if "--help" in argv:  # the docstring, each setting's default and comment
         print(script["__doc__"].strip() + "\n\nsettings (--key=value):")
         comments = dict(re.findall(r"^(\w+) = .*?# (.*)$", open(script["__file__"]).read(), re.M))
         for key, value in defaults.items():

@@ -27,7 +27,8 @@ CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
 LOGITS_CHUNK = 2 ** 27  # logits per loss chunk: 512 MB in float32
 CKPT_KEYS = {"model_args": dict, "model": dict, "optimizer": dict, "iter_num": int,
              "best_val_loss": float, "config": dict, "rng": dict}  # what train.py saves
-MIN_EXIT_LOOP = 2  # the exits compare two loops: no token stops before loop 2
+MIN_EXIT_LOOP = 2  # an exit compares two loops: none before loop 2
+R_MAX_PER_MEAN = 2  # unless told, exits stop by loop 2 x mean_loops
 
 
 @dataclass
@@ -93,15 +94,13 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
 
     def write(self, k, v, pos, rows=None):  # k, v: (B, n_kv, Tq, hd); pos: (B, Tq)
+        if pos is None:  # positions 0..Tq-1
+            pos = torch.arange(k.size(2), device=k.device).expand(len(k), -1)
         if not torch.is_tensor(rows):  # None: slots 0..B-1; a slice: its B slots
             rows = torch.arange(k.size(0), device=k.device) + (rows.start if rows else 0)
         self.k[rows[:, None], :, pos] = k.transpose(1, 2).to(self.k.dtype)
         self.v[rows[:, None], :, pos] = v.transpose(1, 2).to(self.v.dtype)
 
-    def read(self, n_keys, rows=None):
-        """Positions 0..n_keys-1 of the rows' slots: (B, n_kv, n_keys, hd) each."""
-        rows = slice(0, None) if rows is None else rows
-        return self.k[rows, :, :n_keys], self.v[rows, :, :n_keys]
 
 
 def apply_rope(x, cos, sin):
@@ -130,12 +129,14 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if not torch.compiler.is_compiling():  # no side effect in a graph
             self.seen_dtypes = (q.dtype, k.dtype, v.dtype)
-        if cache is None:  # the training path: a full causal window
+        if cache is not None:
+            cache.write(k, v, pos, rows)
+        if pos is None:  # a causal window: training, a prefill
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:  # queries at any positions, keys from their slots
-            cache.write(k, v, pos, rows)
-            n_keys = int(pos.max()) + 1
-            k, v = (t.to(q.dtype) for t in cache.read(n_keys, rows))
+            n_keys = int(pos.max()) + 1  # keys 0..n_keys-1 of the rows' slots
+            rows = slice(None) if rows is None else rows  # a slice: a view
+            k, v = (t[rows, :, :n_keys].to(q.dtype) for t in (cache.k, cache.v))
             mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -255,8 +256,6 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
         """Backprop through the last bptt_k loops -> (None, loss) or (logits, None)."""
         loops = self.config.mean_loops if loops is None else loops
-        if loops < 1:
-            raise ValueError(f"loops must be >= 1, got {loops}")
         e = self.prelude(idx)
         s = self.init_state(e, state_init, generator)
         n_grad = min(loops, self.config.bptt_k)
@@ -308,10 +307,6 @@ class GPT(nn.Module):
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
-
-
-def default_r_max(config):  # the deepest a policy runs unless told
-    return 2 * config.mean_loops
 
 
 def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
@@ -396,7 +391,7 @@ def save_atomic(path, obj):
 
 def read_checkpoint(path, device="cpu", advice=""):
     """The checkpoint dict at path, or one line (ending with advice) and exit 2."""
-    check_device(device)  # a missing GPU is the machine's fault, not the file's
+    check_device(device)  # a missing GPU: the machine's fault, not the file's
     if not os.path.isfile(path):
         die(f"no checkpoint at {path} (train one with `python train.py`)")
     try:

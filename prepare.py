@@ -292,7 +292,7 @@ def main(argv=None):
         die(f"cannot write in data/: {err}")
     if not os.access("data", os.W_OK):  # the lock file may be older
         die("cannot write in data/: it is read-only")
-    with held:  # written into tmp, then swapped in: README's "What is safe"
+    with held:  # into tmp, then swapped in (README, "What is safe")
         for path in (out, tmp, old):
             check_ours(path, meta=path == out)
         if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import configure, die, run
-from model import MIN_EXIT_LOOP, autocast, default_r_max, exit_score, load_checkpoint
+from model import MIN_EXIT_LOOP, R_MAX_PER_MEAN, autocast, exit_score, load_checkpoint
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
@@ -90,23 +90,23 @@ def sample_next(logits, seqs, temperature, top_k, generators):
 
 
 def prefill(model, caches, out, s0, seqs, cols, loops):
-    """out[seqs, cols] (n, T) from s0[seqs, cols] at 0..T-1, `loops` each -> logits."""
+    """out[seqs, cols] (n, T) at 0..T-1, causal, `loops` each -> logits."""
     B, core, coda = len(caches["prelude"][0].k), caches["core"], caches["coda"]
-    pos = torch.arange(cols.size(1), device=cols.device).expand_as(cols)
     rows = slots(caches["prelude"], B, seqs, 0)
-    e = model.prelude(out[seqs[:, None], cols], caches["prelude"], pos, rows)
+    e = model.prelude(out[seqs[:, None], cols], caches["prelude"], None, rows)
     s = s0[seqs[:, None], cols]
     for loop in range(loops):
-        s = model.core_step(e, s, core, pos, slots(core, B, seqs, loop))
+        s = model.core_step(e, s, core, None, slots(core, B, seqs, loop))
         if loop == loops - 1 or len(coda[0].k) > B:  # exact KL: read at every loop
-            logits = model.readout(s, coda, pos, slots(coda, B, seqs, loop))
+            logits = model.readout(s, coda, None, slots(coda, B, seqs, loop))
     if len(core[0].k) > loops * B:  # exact: deeper loops to share
+        pos = torch.arange(cols.size(1), device=cols.device).expand_as(cols)
         share_latest(core + coda, B, seqs, pos, torch.full_like(seqs, loops))
     return logits[:, -1]
 
 
 def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
-    """One loop of seqs' (n,) tokens in flight, in place: -> (stopped, logits)."""
+    """One loop of seqs' (n,) tokens in flight, in place: -> the seqs that stopped."""
     B, core, coda = len(e), caches["core"], caches["coda"]
     at = pos[seqs, None]
     now = loop[seqs] if exit != "none" else int(loop[seqs[0]])  # all at one
@@ -124,9 +124,7 @@ def step(model, caches, seqs, e, s, pos, loop, kl, exit, threshold, r_max):
     seqs, at = seqs[done], at[done]
     if exit != "none" and len(core[0].k) > B:  # 'exact'
         share_latest(core + coda, B, seqs, at, loop[seqs])
-    if exit == "kl" or len(seqs) == 0:
-        return seqs, kl[seqs]
-    return seqs, model.readout(s[seqs], coda, at, slots(coda, B, seqs, 0))[:, -1]
+    return seqs
 
 
 @torch.no_grad()
@@ -144,6 +142,7 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_m
     s = torch.zeros_like(e)  # its state
     kl = s0.new_zeros(B, model.config.vocab_size if exit == "kl" else 0)  # last logits
     depths = idx.new_zeros(B, n_new - 1)  # loops each fed token ran
+    stopped = torch.zeros_like(loop, dtype=torch.bool)  # waiting to be read out
     seqs = torch.arange(B, device=idx.device)
     cols = torch.arange(max(0, T0 - block), T0, device=idx.device)
     logits = prefill(model, caches, out, s0, seqs, cols.expand(B, -1), loops)
@@ -168,11 +167,21 @@ def generate(model, idx, n_new, loops, s0, pick, exit="none", threshold=0.0, r_m
             rows = slots(caches["prelude"], B, seqs, 0)
             e[seqs] = model.prelude(out[seqs, j, None], caches["prelude"], pos[seqs, None], rows)
             s[seqs] = s0[seqs, j, None]
-        flying = (n_made < n_new).nonzero()[:, 0]
-        if len(flying) == 0:
+        flying = ((n_made < n_new) & ~stopped).nonzero()[:, 0]
+        if len(flying):
+            done = step(model, caches, flying, e, s, pos, loop, kl, exit, threshold, r_max)
+            depths[done, n_made[done] - 1] = loop[done]
+            stopped[done] = True
+        seqs = stopped.nonzero()[:, 0]
+        if len(flying) + len(seqs) == 0:
             return out, depths.tolist(), time.perf_counter() - t0
-        seqs, logits = step(model, caches, flying, e, s, pos, loop, kl, exit, threshold, r_max)
-        depths[seqs, n_made[seqs] - 1] = loop[seqs]
+        if 2 * len(seqs) < B and not stopped[flying].all():  # fewer, larger calls: read
+            seqs = seqs[:0]  # out once half the batch waits or none loops
+            continue
+        stopped[seqs] = False
+        coda = caches["coda"]  # all B: read as a view
+        at, rows = pos[seqs, None], slots(coda, B, seqs, 0)
+        logits = kl[seqs] if exit == "kl" else model.readout(s[seqs], coda, at, rows)[:, -1]
 
 
 def main(argv=()):
@@ -180,7 +189,7 @@ def main(argv=()):
     path = Path(C.out_dir) / "ckpt.pt"
     model, ckpt = load_checkpoint(path, C.device)
     loops = C.loops or model.config.mean_loops
-    r_max = C.r_max or default_r_max(model.config)
+    r_max = C.r_max or R_MAX_PER_MEAN * model.config.mean_loops
     if C.exit != "none" and r_max < MIN_EXIT_LOOP:  # it compares two loops
         die(f"--r_max {r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
     encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, ())[0])

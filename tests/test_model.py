@@ -48,8 +48,8 @@ def test_forward_shapes_every_depth(mode):
         if mode == "zero":  # the same computation
             ref = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
             torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError):
-        model(idx, loops=0)
+    s0 = torch.zeros(2, 16, model.config.n_embd)  # 0 loops: the coda reads s_0
+    torch.testing.assert_close(model(idx, loops=0, state_init="zero")[0], model.readout(s0))
     with pytest.raises(ValueError):
         model(idx, state_init="ones")
 

@@ -276,10 +276,10 @@ def test_generation_exits_where_teacher_forced_scoring_does(tiny, exit):
     model = copy.deepcopy(model).double()
     threshold = typical_threshold(model, exit)
     first = idx[:, :1]
-    _, first_depth, _ = allocate.realized_exit(model, first, first, MAX_LOOPS, exit, threshold)
+    _, first_depth = allocate.realized_exit(model, first, first, MAX_LOOPS, exit, threshold)
     s0 = sample.initial_states(model, 1, 41, "zero", 0, "cpu").double()
     out, depths, _ = sample.generate(model, first, 40, int(first_depth[0, 0]), s0, GREEDY, exit, threshold, MAX_LOOPS)
-    _, scored, _ = allocate.realized_exit(model, out[:, :-1], out[:, 1:], MAX_LOOPS, exit, threshold)
+    _, scored = allocate.realized_exit(model, out[:, :-1], out[:, 1:], MAX_LOOPS, exit, threshold)
     assert scored[0].tolist() == [int(first_depth[0, 0])] + depths[0]
     assert len(set(depths[0])) > 1
 
@@ -306,7 +306,8 @@ def scripted_run(tiny, exit, cache, schedule, part="core", prompt_loops=2, r_max
     write, new_caches = model_lib.KVCache.write, sample.new_caches
 
     def recording_write(self, k, v, pos, rows=None):
-        writes.append((id(self), rows, pos.clone(), k.clone(), v.clone()))
+        at = torch.arange(k.size(2)).expand(len(k), -1) if pos is None else pos.clone()  # None: 0..T-1
+        writes.append((id(self), rows, at, k.clone(), v.clone()))
         write(self, k, v, pos, rows)
     s0 = sample.initial_states(model, 1, idx.size(1) + len(schedule) + 1, "zero", 0, "cpu")
     with pytest.MonkeyPatch.context() as mp:
@@ -387,15 +388,15 @@ def test_core_reads_of_the_whole_batch_are_views_under_latest(tiny, cache):
     sequence as a slice (a view); under 'exact' the two tokens at their own loops need a gather."""
     model, _ = tiny
     idx = prompts(2)
-    reads, made = [], []
-    read, new_caches = model_lib.KVCache.read, sample.new_caches
+    reads, made = [], []  # each call's rows: the same slots it writes and reads
+    write, new_caches = model_lib.KVCache.write, sample.new_caches
 
-    def recording_read(self, n_keys, rows=None):
+    def recording_write(self, k, v, pos, rows=None):
         reads.append((self, rows))
-        return read(self, n_keys, rows)
+        return write(self, k, v, pos, rows)
     s0 = sample.initial_states(model, 2, idx.size(1) + 12, "zero", 0, "cpu")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_lib.KVCache, "read", recording_read)
+        mp.setattr(model_lib.KVCache, "write", recording_write)
         mp.setattr(sample, "new_caches", lambda *a: made.append(new_caches(*a)) or made[-1])
         sample.generate(model, idx, 12, 2, s0, GREEDY, "state", 0.0, MAX_LOOPS, cache=cache)
     core_rows = [rows for c, rows in reads if any(c is k for k in made[0]["core"])]
