@@ -3,8 +3,8 @@
 # train.py prepares Shakespeare itself the first time), its fixed-depth control, the study model
 # (config/study.py: the default trained 5x longer) and its dense twin (config/study_dense.py);
 # evaluate them, run the allocation study on the default and the study model, time the exits
-# against uniform depth (scoring and generation), and collect the figures as
-# figures/<run>_*.png, so two studies never overwrite each other's.
+# against uniform depth (scoring and generation) and training against the dense twin, and
+# collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
 #   ./study.sh                              (~110 min on 2 idle cores: ~80 of it training)
 #   ./study.sh out-mine config/mine.py      another first run: its out_dir, then train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
@@ -39,6 +39,7 @@ step python evaluate.py --out_dir=out-study --loops=$loops --plot
 step python evaluate.py --out_dir=out-study_dense --loops=1
 step python allocate.py --out_dir="$out" --plot
 step python allocate.py --out_dir=out-study --plot
+step python bench.py  # training: the recurrent model against its dense twin (FLOP/s)
 step python bench.py --out_dir="$out" --frontier=scoring
 step python bench.py --out_dir="$out" --frontier=generation
 mkdir -p figures
