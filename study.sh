@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
 # train.py prepares Shakespeare itself the first time), its fixed-depth control, the study model
-# (config/study.py: the default trained 5x longer) and its dense twin (config/study_dense.py);
+# (config/study.py: the default trained 2.5x longer) and its dense twin (config/study_dense.py);
 # evaluate them, run the allocation study on the default and the study model, time the exits
 # against uniform depth (scoring and generation) and training against the dense twin, and
 # collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
