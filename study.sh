@@ -5,7 +5,7 @@
 # evaluate them, run the allocation study on the default and the study model, time the exits
 # against uniform depth (scoring and generation) and training against the dense twin, and
 # collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
-#   ./study.sh                              (2 h 22 min on 2 idle cores, 2026-11-24: 110 min of it training)
+#   ./study.sh                              (1 h 41 min on 2 idle cores, 2026-11-25: 69 min of it training)
 #   ./study.sh out-mine config/mine.py      another first run: its out_dir, then train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
 # <run>_times.txt.

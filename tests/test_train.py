@@ -108,6 +108,12 @@ def test_every_committed_config_file_loads(monkeypatch):
     search = cfg(["config/search/c5.py"])  # the run that became the defaults
     for key in ("n_embd", "n_core", "mean_loops", "max_loops", "bptt_k", "block_size", "batch_size", "max_iters"):
         assert search[key] == vars(train)[key]
+    study, dense = cfg(["config/study.py"]), cfg(["config/study_dense.py"])
+    same = ("max_iters", "batch_size", "block_size", "n_embd", "learning_rate", "lr_decay_iters",
+            "warmup_iters", "min_lr", "dataset", "seed")
+    assert all(study[k] == dense[k] for k in same)  # parity: the same data, tokens, schedule, width
+    assert dense["n_core"] == 0 and study["out_dir"] != dense["out_dir"]
+    assert cfg(["config/study_2000.py"])["max_iters"] == 2 * study["max_iters"]  # the trend
 
 
 def test_training_learns_and_writes_a_loadable_checkpoint(tiny_data, capsys):
