@@ -102,7 +102,6 @@ class KVCache:
         self.v[rows[:, None], :, pos] = v.transpose(1, 2).to(self.v.dtype)
 
 
-
 def apply_rope(x, cos, sin):
     # x's dtype: an fp32 table silently promoted bf16 q and k (the paper's notes)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -135,8 +134,10 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:  # queries at any positions, keys from their slots
             n_keys = int(pos.max()) + 1  # keys 0..n_keys-1 of the rows' slots
-            rows = slice(None) if rows is None else rows  # a slice: a view
-            k, v = (t[rows, :, :n_keys].to(q.dtype) for t in (cache.k, cache.v))
+            k, v = cache.k[:, :, :n_keys], cache.v[:, :, :n_keys]  # views
+            if torch.is_tensor(rows):  # 5-10x faster than k[rows] on a CPU
+                k, v = k.index_select(0, rows), v.index_select(0, rows)
+            k, v = (k[rows], v[rows]) if isinstance(rows, slice) else (k, v)
             mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -248,9 +249,11 @@ class GPT(nn.Module):
         x = self.coda_blocks(s, *self.rope(s.size(1), pos), caches, pos, rows)
         return self.lm_head(self.norm(x))
 
-    def new_caches(self, n_layers, slots, length, dtype=torch.float32):
-        c = self.config
-        args = (slots, c.n_kv_head, length, c.n_embd // c.n_head, self.wte.weight.device, dtype)
+    def new_caches(self, n_layers, slots, length, dtype=None):
+        c, w = self.config, self.wte.weight  # K/V in attention's dtype
+        auto = torch.is_autocast_enabled(w.device.type)
+        dtype = dtype or (torch.get_autocast_dtype(w.device.type) if auto else w.dtype)
+        args = (slots, c.n_kv_head, length, c.n_embd // c.n_head, w.device, dtype)
         return [KVCache(*args) for _ in range(n_layers)]
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):

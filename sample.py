@@ -39,11 +39,9 @@ RULES = dict(out_dir=str, start=str, num_samples=(1, 4096), max_new_tokens=(1, 1
 
 def new_caches(model, B, n_loops, kl, layout):
     """Per layer: slot b, or loop * B + b (exact core; its coda if kl)."""
-    c, kind = model.config, model.wte.weight.device.type
-    auto = torch.is_autocast_enabled(kind)  # as attention makes K/V
-    dtype = torch.get_autocast_dtype(kind) if auto else model.wte.weight.dtype
+    c = model.config
     core = n_loops * B if layout == "exact" else B
-    make = partial(model.new_caches, length=c.block_size, dtype=dtype)
+    make = partial(model.new_caches, length=c.block_size)
     return {"prelude": make(c.n_prelude, B), "core": make(c.n_core, core),
             "coda": make(c.n_coda, core if kl else B)}
 
