@@ -295,7 +295,6 @@ def summarize(pw, C, mean):
                 est = estimate(stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
                 res["at_bar"][key][axis + suffix] = est
     for depth in (mean * f for f in ROWS):
-        # the FLOPs of uniform depth at that many loops
         flops = float(np.interp(depth, pw["A0"][1][:, 0], pw["A0"][2][:, 0]))
         for x, cost, table in ((1, depth, "table"), (2, flops, "table_flops")):
             row = {"avg_depth": depth, "cost": cost, "A0": interp_loss(curve(pw, "A0", x), cost)}

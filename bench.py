@@ -37,7 +37,7 @@ bench_tokens = 128  # generation: prompt length and new tokens per sequence
 cache = "latest"  # generation: sample.py's core cache, 'latest' or 'exact'
 BENCH_RULES = dict(warmup_steps=(1, 1000), bench_steps=(1, 10 ** 5), rounds=(1, 1000),
                    vocab_size=(2, 2 ** 20), frontier=("none", "scoring", "generation"),
-                   timing_windows=(1, 10 ** 5), bench_tokens=(1, 10 ** 5),
+                   timing_windows=(1, 10 ** 5), bench_tokens=(2, 10 ** 5),
                    cache=("exact", "latest"))
 GENERATION_BATCHES = (1, 8, 32)
 EXITS = {"A0": "none", "A1": "kl", "A1s": "state"}  # policy: exit criterion

@@ -35,7 +35,7 @@ def read_config_file(path):
     scope = {}
     try:
         exec(compile(open(path, encoding="utf-8").read(), path, "exec"), scope)
-    except Exception as err:  # user code raises anything: say where, no traceback
+    except (Exception, SystemExit) as err:  # user code raises anything: say where
         lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
         line = getattr(err, "lineno", None) or (lines or ["?"])[-1]
         die(f"{path}:{line}: {type(err).__name__}: {err}")
@@ -59,9 +59,9 @@ def configure(script, rules, argv):
             given |= read_config_file(arg)
             continue
         if not eq:  # --key value, or a bare --flag for True
-            text = "True" if not args or args[0].startswith("--") else args.pop(0)
+            text = True if not args or args[0].startswith("--") else args.pop(0)
         try:
-            given[key] = text if isinstance(defaults.get(key), str) else ast.literal_eval(text)
+            given[key] = text if isinstance(defaults.get(key), str) else ast.literal_eval(str(text))
         except (ValueError, SyntaxError):
             die(f"--{key}: cannot parse {text!r}")
     for key, value in given.items():

@@ -45,7 +45,7 @@ def loop_counts(text, mean):
     if not text:
         return sorted({1, 2, max(1, mean // 2), mean, 2 * mean, 4 * mean})
     parts = text.split(",")
-    if not all(p.strip().isdigit() and 1 <= int(p) <= 1024 for p in parts):
+    if not all(p.strip().isdecimal() and 1 <= int(p) <= 1024 for p in parts):
         die(f"--loops {text!r}: expected counts in [1, 1024], e.g. 1,2,4,8")
     return sorted({int(p) for p in parts} | {mean})
 
@@ -224,17 +224,6 @@ def curve(ax, x, y, mean=None, **labels):
         ax.legend()
 
 
-def loss_vs_loops(ax, curves, title, mean=None):
-    """Loss per loop count on a log2 axis; curves: {label: {r: loss}}."""
-    for label, points in curves.items():
-        x = sorted(points)
-        curve(ax, x, [points[r] for r in x], mean, label=label, title=title,
-              xlabel="inference loops r", ylabel="validation loss (nats)")
-    loops = sorted(set().union(*curves.values()))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(loops, [str(r) for r in loops])
-
-
 def figures(el, cv, tc, mean, out_dir, control):
     loss = {row["loops"]: row["loss"] for row in el}
     speed = [row["tokens_per_s"] for row in el]
@@ -242,7 +231,13 @@ def figures(el, cv, tc, mean, out_dir, control):
     curves = {f"randomized depth (mean {mean})": loss}
     if control:  # --versus: the fixed-depth run beside it
         curves[f"fixed depth r={mean} (control)"] = control
-    loss_vs_loops(ax_loss, curves, "Loss vs loops (noise init)", mean)
+    for label, points in curves.items():
+        x = sorted(points)
+        curve(ax_loss, x, [points[r] for r in x], mean, label=label, title="Loss vs loops (noise init)",
+              xlabel="inference loops r", ylabel="validation loss (nats)")
+    loops = sorted(set().union(*curves.values()))
+    ax_loss.set_xscale("log", base=2)
+    ax_loss.set_xticks(loops, [str(r) for r in loops])
     curve(ax_cost, speed, list(loss.values()), xscale="log", xmargin=0.15, ymargin=0.1,
           xlabel="tokens/s at batch 1", ylabel="validation loss (nats)", title="Per-request cost")
     for r, x in zip(loss, speed):

@@ -37,8 +37,8 @@ def batches(split):
         return
     try:
         for batch in split.iter(batch_size=BATCH):
-            if "text" not in batch:
-                die(f"the documents have no 'text' field: {sorted(batch)}")
+            if not all(isinstance(text, str) for text in batch.get("text", [None])):
+                die(f"the documents need a 'text' field of strings: {sorted(batch)}")
             yield batch["text"]
     except ValueError as err:  # pyarrow: a malformed file
         die(f"the corpus does not parse: {str(err).splitlines()[0]}")
@@ -182,6 +182,10 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
     bins = [os.path.join(data_dir, f"{s}.bin") for s in ("train", "val")]
     if data and all(map(os.path.isfile, bins)) and fingerprint(bins) != data:
         die(f"{data_dir}: bins changed since prepare.py: run it again")
+    tok = Path(data_dir, "tokenizer.json")
+    sha = tok.is_file() and hashlib.sha256(tok.read_bytes()).hexdigest()
+    if sha and meta.get("tokenizer_sha256", sha) != sha:
+        die(f"{tok} changed since prepare.py: run it again")
     trained = ckpt["config"]["dataset_meta"] | ckpt["model_args"] if ckpt else {}
     for key in ("tokenizer_sha256", "vocab_size"):
         if key in meta and key in trained and meta[key] != trained[key]:
@@ -272,8 +276,8 @@ def parse_args(argv):
         die("--max_tokens must be >= 2: a token for each split")
     a.tokenizer = a.tokenizer or ("smollm2" if a.source in HUB else "bpe:1024")
     n = a.tokenizer.removeprefix("bpe:")
-    if n != a.tokenizer and not (n.isdecimal() and 257 <= int(n) <= 2 ** 32):
-        die(f"--tokenizer {a.tokenizer}: expected bpe:N, 257 <= N <= 2**32")
+    if n != a.tokenizer and not (n.isdecimal() and 257 <= int(n) <= 2 ** 20):
+        die(f"--tokenizer {a.tokenizer}: expected bpe:N, 257 <= N <= 2**20")
     return a
 
 

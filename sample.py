@@ -19,7 +19,7 @@ out_dir = "out-shakespeare"  # holds ckpt.pt
 start = "\n"  # the prompt, or FILE:path to read it
 num_samples = 3  # sequences, in one batch
 max_new_tokens = 200  # per sequence
-temperature = 0.8  # 0: greedy (argmax)
+temperature = 0.8  # below 1e-6: greedy (argmax)
 top_k = 200  # 0: no top-k cut
 seed = 1337  # sequence i uses seed + i
 loops = 0  # per token (adaptive: prefills'); 0: mean_loops
@@ -77,7 +77,7 @@ def initial_states(model, n_seqs, length, mode, seed, device):
 
 def sample_next(logits, seqs, temperature, top_k, generators):
     """(n, vocab) -> (n,), row i drawn with generators[seqs[i]]."""
-    if temperature == 0:
+    if temperature < 1e-6:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k:

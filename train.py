@@ -16,7 +16,6 @@ from configurator import configure, die, run
 from model import (CKPT_FORMAT, GPT, GPTConfig, autocast, check_device, config_or_die, read_checkpoint,
                    save_atomic, training_memory)
 
-# settings: the CPU default run
 out_dir = "out-shakespeare"  # ckpt.pt is written here
 eval_interval = 100  # steps between evaluations and saves
 log_interval = 10  # steps between log lines
@@ -136,9 +135,12 @@ def mfu_ceiling(C):
 
 def build(C, given, log):
     """-> (model, optimizer, data generator, meta, step, best val loss)."""
-    if os.path.isfile(C.out_dir) or os.path.isdir(C.out_dir) and not os.access(C.out_dir, os.W_OK):
+    try:
+        os.makedirs(C.out_dir, exist_ok=True)
+    except OSError as err:
+        die(f"--out_dir={C.out_dir}: {err.strerror}")
+    if not os.access(C.out_dir, os.W_OK):
         die(f"--out_dir={C.out_dir} is not a writable folder")
-    os.makedirs(C.out_dir, exist_ok=True)
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
     ckpt = read_checkpoint(ckpt_path, C.device) if C.init_from == "resume" else None
     if ckpt:  # its model and dataset kept

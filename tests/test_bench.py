@@ -59,7 +59,8 @@ def test_bench_runs_end_to_end_and_depth_changes_do_not_recompile(tmp_path, monk
 
 
 @pytest.mark.parametrize("bad", ["--bench_steps=0", "--rounds=0", "--dtype=float16", "--mean_loops=9", "--nope=1",
-                                 "--frontier=x", "--n_head=3", "--vocab_size=-1", "--cache=x"])
+                                 "--frontier=x", "--n_head=3", "--vocab_size=-1", "--cache=x",
+                                 "--bench_tokens=1"])
 def test_bad_input_dies_with_one_line_before_the_benchmark_runs(bad, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(bench, "GPT", None)  # building a model would fail: every check comes first

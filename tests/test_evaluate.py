@@ -106,7 +106,7 @@ def test_default_loop_counts_and_bad_loops():
     assert evaluate.loop_counts("", 4) == [1, 2, 4, 8, 16]
     assert evaluate.loop_counts("", 8) == [1, 2, 4, 8, 16, 32]
     assert evaluate.loop_counts("8,1,2,2", 4) == [1, 2, 4, 8]  # mean_loops is the throughput reference
-    for bad in ("0,2", "-1", "two"):
+    for bad in ("0,2", "-1", "two", "²", "1,²"):  # "²".isdigit(), not a number int() reads
         with pytest.raises(SystemExit) as e:
             evaluate.loop_counts(bad, 4)
         assert e.value.code == 2

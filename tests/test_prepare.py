@@ -472,6 +472,30 @@ def test_tokenizer_fingerprint_refuses_another_tokenizer(txt_corpus, capsys):
         prepare.open_dataset("corpus", old | {"model_args": {"vocab_size": 301}}, "old/ckpt.pt")
 
 
+def test_a_swapped_tokenizer_json_is_refused(txt_corpus, capsys):
+    """The ids mean what prepare.py's tokenizer said: another tokenizer.json
+    (copied from another dataset, or broken) would decode them silently wrong."""
+    prepare.main(["corpus", "--tokenizer", "bpe:300"])
+    prepare.main(["corpus", "--tokenizer", "bpe:400", "--name", "other"])
+    prepare.open_dataset("corpus")
+    for text in [Path("data/other/tokenizer.json").read_text(), "garbage"]:
+        Path("data/corpus/tokenizer.json").write_text(text)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            prepare.open_dataset("corpus")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "tokenizer.json changed" in err
+
+
+def test_documents_whose_text_is_not_a_string_are_one_line(workdir, capsys):
+    Path("n.jsonl").write_text('{"text": "a document"}\n{"text": 5}\n' * 4)
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["n.jsonl", "--tokenizer", "bpe:300"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: the documents need a 'text' field of strings")
+    assert not Path("data/n").exists()
+
+
 def test_downloaded_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys):
     """No network: an unreachable proxy for tiktoken's download, the hub's offline mode for SmolLM2's; both
     with empty caches. Each is one line saying what is needed."""
@@ -672,7 +696,7 @@ def test_a_tokenizer_json_that_does_not_parse_is_one_line(txt_corpus, capsys):
     ["--val_fraction", "x"], ["--val_fraction", "1"], ["--max_tokens", "-5"], ["--max_tokens", "nan"],
     ["--max_tokens", "inf"], ["--max_tokens", "1.5"], ["--max_tokens", ""],
     ["--tokenizer", "bpe:-300"], ["--tokenizer", "bpe:3e2"], ["--tokenizer", "bpe:³⁰⁰"], ["--tokenizer", "bpe:"],
-    ["--tokenizer", "bpe:99999999999999999999999"], ["--no_such_flag"], ["a", "b"],
+    ["--tokenizer", "bpe:99999999999999999999999"], ["--tokenizer", "bpe:1048577"], ["--no_such_flag"], ["a", "b"],
 ])
 def test_bad_arguments_are_one_line(txt_corpus, capsys, argv):
     with pytest.raises(SystemExit) as e:

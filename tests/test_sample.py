@@ -457,6 +457,11 @@ def test_adaptive_main_reports_loops(tiny, capsys, cache):
     assert run_main(capsys, *args)[1] == text
 
 
+def test_a_vanishing_temperature_is_greedy(tiny, capsys):
+    greedy = run_main(capsys, "--temperature=0", "--num_samples=2")[1]
+    assert run_main(capsys, "--temperature=1e-300", "--num_samples=2")[1] == greedy  # no inf / inf
+
+
 def test_prompt_from_file(tiny, capsys, tmp_path):
     (tmp_path / "prompt.txt").write_text("Good night café 日本", encoding="utf-8")
     _, text, _ = run_main(capsys, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--temperature=0", "--num_samples=1")

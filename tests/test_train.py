@@ -589,6 +589,8 @@ def test_the_largest_value_of_a_setting_runs_or_is_refused(tiny_data, capsys, ke
     (["--learning_rate=inf"], "--learning_rate: cannot parse 'inf'"),
     (["--dtype=float16"], "--dtype must be one of float32, bfloat16, got 'float16'"),
     (["--compile_backend=  "], "--compile_backend must not be empty"),
+    (["--out_dir", "--max_iters=1"], "--out_dir: expected str, got True"),  # a bare flag is no text
+    (["--dataset"], "--dataset: expected str, got True"),
 ])
 def test_bad_values_are_one_line(tiny_data, capsys, flags, message):
     assert message in one_line_error(capsys, train.main, TINY + ["--out_dir=o"] + flags)
@@ -601,7 +603,15 @@ def test_out_dir_that_is_a_file_is_one_line(tiny_data, capsys):
     assert Path("taken").read_text() == "not a directory"
 
 
+def test_out_dir_under_a_file_is_one_line(tiny_data, capsys):
+    Path("taken").write_text("not a directory")
+    assert "--out_dir=taken/run" in one_line_error(capsys, train.main, TINY + ["--out_dir=taken/run"])
+    assert Path("taken").read_text() == "not a directory"
+
+
 def test_bad_config_files_are_one_line(tiny_data, capsys):
+    Path("exits.py").write_text("import sys\nsys.exit()\n")  # not a silent exit 0
+    assert "exits.py:2: SystemExit" in one_line_error(capsys, train.main, ["exits.py"])
     Path("latin1.py").write_bytes("max_iters = 3  # caf\u00e9\n".encode("latin-1"))
     assert "latin1.py" in one_line_error(capsys, train.main, ["latin1.py"])
     Path("nan.py").write_text("learning_rate = float('nan')\n")
