@@ -16,7 +16,6 @@ def die(msg):
 
 
 def check(key, value, default, rule):
-    """value, if it has the default's type (an int for a float is fine) and keeps the rule."""
     value = float(value) if isinstance(default, float) and type(value) is int else value
     if type(value) is not type(default):
         die(f"--{key}: expected {type(default).__name__}, got {value!r}")
@@ -31,7 +30,6 @@ def check(key, value, default, rule):
 
 
 def read_config_file(path):
-    """A config file's settings: the user's Python, an error one line naming its line."""
     scope = {}
     try:
         exec(compile(open(path, encoding="utf-8").read(), path, "exec"), scope)
@@ -75,6 +73,8 @@ def run(main):
     """A script's entry point: Ctrl-C is one line and exit 130, not a traceback."""
     try:
         main(sys.argv[1:])
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as err:  # torch.save's writer wraps a Ctrl-C
+        if KeyboardInterrupt not in (type(err), type(err.__context__)):
+            raise
         print("interrupted", file=sys.stderr)
         sys.exit(130)

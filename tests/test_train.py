@@ -1,3 +1,4 @@
+import io
 import json
 import multiprocessing
 import os
@@ -601,6 +602,32 @@ def test_out_dir_that_is_a_file_is_one_line(tiny_data, capsys):
     Path("taken").write_text("not a directory")
     assert "taken" in one_line_error(capsys, train.main, TINY + ["--out_dir=taken", "--max_iters=1"])
     assert Path("taken").read_text() == "not a directory"
+
+
+def test_ctrl_c_inside_torch_save_is_one_line(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while torch.save writes: its zip writer fails on the way out and
+    raises a RuntimeError from the KeyboardInterrupt, a traceback unless run() knows."""
+    import configurator
+
+    class Interrupting(io.RawIOBase):  # Ctrl-C lands in the second write
+        writes = 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            Interrupting.writes += 1
+            if Interrupting.writes == 2:
+                raise KeyboardInterrupt
+            return len(data)
+
+    def main(argv):
+        torch.save({"w": torch.zeros(1000)}, Interrupting())
+    with pytest.raises(SystemExit) as e:
+        configurator.run(main)
+    assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+    with pytest.raises(RuntimeError):  # any other RuntimeError stays one
+        configurator.run(lambda argv: torch.zeros(2) @ torch.zeros(3))
 
 
 def test_out_dir_under_a_file_is_one_line(tiny_data, capsys):
