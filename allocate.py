@@ -81,16 +81,16 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
         if len(rows) == 0:
             break
         where = (rows[:, None], pos)  # padding included
+        at = () if active.all() else (pos, rows)  # all active: causal, no mask
         s_old = s[where]
-        s_new = model.core_step(e[where], s_old, latest, pos, rows)
-        new = model.readout(s_new, coda, pos, rows) if kl else None
+        s_new = model.core_step(e[where], s_old, latest, *at)
+        new = model.readout(s_new, coda, *at) if kl else None
         depth += active
         real_where = (rows[:, None].expand_as(pos)[real], pos[real])
-        if loop >= MIN_EXIT_LOOP and criterion == "probe":
-            active[real_where] = probe(s_new)[real] >= threshold
-        elif loop >= MIN_EXIT_LOOP:
+        if loop >= MIN_EXIT_LOOP:
             old = logits[where] if kl else None
-            score = exit_score(criterion, s_new, s_old, new, old)
+            probed = criterion == "probe"
+            score = probe(s_new) if probed else exit_score(criterion, s_new, s_old, new, old)
             active[real_where] = score[real] >= threshold
         s[real_where] = s_new[real]
         if kl:

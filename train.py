@@ -206,7 +206,7 @@ def evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log):
             with torch.no_grad(), autocast(C.device, C.dtype):
                 total += model(x, y, loops=C.mean_loops, generator=g_noise)[1].item()
         losses[split] = total / C.eval_iters
-    bits = losses["val"] * meta.get("val_tokens", 0) / meta.get("val_bytes", 1) / math.log(2)
+    bits = losses["val"] * meta.get("val_tokens", 0) / meta.get("val_bytes", math.nan) / math.log(2)
     log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
         f"val {bits:.4f} bits/byte (loops={C.mean_loops})")
     if not all(p.isfinite().all() for p in model.parameters()) or not math.isfinite(losses["val"]):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import allocate  # noqa: E402
 import train  # noqa: E402
 from evaluate import load_windows, trace  # noqa: E402
-from model import exit_score, token_loss  # noqa: E402
+from model import MIN_EXIT_LOOP, exit_score, token_loss  # noqa: E402
 from model import autocast  # noqa: E402
 from model import load_checkpoint  # noqa: E402
 
@@ -196,7 +196,8 @@ def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained
     eps = scores[criterion][2].float().median().item()
     evals = []  # tokens each core call carries
     core_step = model.core_step
-    model.core_step = lambda e, *a: evals.append(e.shape[:2].numel()) or core_step(e, *a)
+    causal = []  # whether each call took the plain causal path (no positions: every token active)
+    model.core_step = lambda e, *a: evals.append(e.shape[:2].numel()) or causal.append(len(a) == 2) or core_step(e, *a)
     loss, depth = allocate.realized_exit(model, X, Y, R_MAX, criterion, eps, probe)
     model.core_step = core_step
     for i in range(len(X)):  # token for token, window by window
@@ -207,6 +208,8 @@ def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained
     assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.005  # they differ only in frozen tokens' K/V
     assert abs(depth.float().mean().item() - masked_depth.float().mean().item()) < 0.25
     assert depth.sum().item() <= sum(evals) < 0.8 * Y.numel() * R_MAX  # frozen tokens cost nothing (padding aside)
+    assert causal[:MIN_EXIT_LOOP] == [True] * MIN_EXIT_LOOP and not all(causal)
+    assert all(n == Y.numel() for n, c in zip(evals, causal) if c)
 
 
 def test_main_writes_json_tables_in_loops_and_flops_and_plot(trained, monkeypatch):

@@ -1,5 +1,6 @@
 import io
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -596,6 +597,17 @@ def test_the_largest_value_of_a_setting_runs_or_is_refused(tiny_data, capsys, ke
 def test_bad_values_are_one_line(tiny_data, capsys, flags, message):
     assert message in one_line_error(capsys, train.main, TINY + ["--out_dir=o"] + flags)
     assert not Path("o").exists()  # refused before anything is written
+
+
+def test_bits_per_byte_only_from_a_known_byte_count(tiny_data, capsys):
+    args = TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--overwrite_checkpoint=True"]
+    train.main(args)  # this meta.json has no val_bytes: no made-up figure
+    assert "val nan bits/byte" in capsys.readouterr().out
+    meta = json.loads(Path("data/tiny/meta.json").read_text()) | {"val_bytes": 4000}
+    Path("data/tiny/meta.json").write_text(json.dumps(meta))
+    train.main(args)
+    loss, bits = re.search(r"step 1: .* val loss ([\d.]+), val ([\d.]+) bits/byte", capsys.readouterr().out).groups()
+    assert float(bits) == pytest.approx(float(loss) * 2000 / 4000 / math.log(2), abs=1e-4)
 
 
 def test_out_dir_that_is_a_file_is_one_line(tiny_data, capsys):
