@@ -81,7 +81,7 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
         if len(rows) == 0:
             break
         where = (rows[:, None], pos)  # padding included
-        at = () if active.all() else (pos, rows)  # all active: causal, no mask
+        at = () if active.all() else (pos, rows)  # all: causal
         s_old = s[where]
         s_new = model.core_step(e[where], s_old, latest, *at)
         new = model.readout(s_new, coda, *at) if kl else None
@@ -230,9 +230,8 @@ def measure(model, batches, r_max, key, threshold, probe):
     runs = [realized_exit(model, x, y, r_max, CRITERION[key], threshold, probe) for x, y in batches]
     loss = torch.cat([run[0].mean(1) for run in runs]).double().cpu().numpy()
     depth = torch.cat([run[1].float().mean(1) for run in runs]).double().cpu().numpy()
-    readouts = depth if key == "A1" else 1  # KL reads out every loop
     T = batches[0][0].size(1)
-    return loss, depth, model.inference_flops(depth, readouts, T, depth - 1, CRITERION[key])
+    return loss, depth, model.inference_flops(depth, T, CRITERION[key])
 
 
 def place(measure_at, points, axis, target, tol, tries=10):
@@ -268,7 +267,7 @@ def sweep(model, X, Y, C, r_max, grids, probe):
     batches = list(zip(X.split(C.batch_size), Y.split(C.batch_size)))
     a0 = torch.cat([trace(model, x, y, r_max)["loss"].mean(2) for x, y in batches], 1)
     loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], len(X), 1)
-    pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, 1, T))}
+    pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, T))}
     rows = [model.config.mean_loops * f for f in ROWS]
     uniform_flops = np.interp(rows, loops[:, 0], pw["A0"][2][:, 0])
     targets = [(1, d) for d in rows] + [(2, f) for f in uniform_flops]

@@ -1,8 +1,7 @@
-"""Timing only, medians of rounds that alternate the configurations:
-training against the dense twin (the same blocks, as many as match the
-forward FLOPs at mean_loops), or allocate.json's exits (their thresholds
-nearest the matched table's loops) against every uniform depth, at equal
-loss (iso-loss speedup) and equal FLOPs per token (realization).
+"""Timing only, medians of rounds that alternate the configurations: training
+against the dense twin (the same blocks, as many as match the forward FLOPs
+at mean_loops), or allocate.json's exits against every uniform depth, at
+equal loss (iso-loss speedup) and equal FLOPs per token (realization).
 
     python bench.py                        # training (train.py's settings)
     python bench.py --frontier=scoring     # teacher-forced, batch 1 and 8
@@ -34,12 +33,11 @@ vocab_size = 1024  # training: random tokens (S0/S1: 49152)
 frontier = "none"  # 'scoring' or 'generation': time allocate.json's policies
 timing_windows = 16  # scoring: windows timed (allocate.py's first ones)
 bench_tokens = 128  # generation: prompt length and new tokens per sequence
-cache = "latest"  # generation: sample.py's core cache, 'latest' or 'exact'
+cache = "latest"  # generation: sample.py's --cache
 BENCH_RULES = dict(warmup_steps=(1, 1000), bench_steps=(1, 10 ** 5), rounds=(1, 1000),
                    vocab_size=(2, 2 ** 20), frontier=("none", "scoring", "generation"),
                    timing_windows=(1, 10 ** 5), bench_tokens=(2, 10 ** 5),
                    cache=("exact", "latest"))
-GENERATION_BATCHES = (1, 8, 32)
 EXITS = {"A0": "none", "A1": "kl", "A1s": "state"}  # policy: exit criterion
 greedy = partial(sample_next, temperature=0.0, top_k=0, generators=None)
 
@@ -53,9 +51,9 @@ def dense_twin(rec, C):
     def build(L, device):
         with torch.device(device):
             return GPT(GPTConfig(**shape | dict(n_prelude=L)))
-    f1 = build(1, "meta").inference_flops(1, 1, C.block_size)  # linear in L
-    f2 = build(2, "meta").inference_flops(1, 1, C.block_size)
-    target = rec.inference_flops(C.mean_loops, 1, C.block_size)
+    f1 = build(1, "meta").inference_flops(1, C.block_size)  # linear in L
+    f2 = build(2, "meta").inference_flops(1, C.block_size)
+    target = rec.inference_flops(C.mean_loops, C.block_size)
     return build(max(1, 1 + round((target - f1) / (f2 - f1))), C.device)
 
 
@@ -71,17 +69,17 @@ def train_step(model, optimizer, x, y, loops, C):
 
 def median_seconds(configs, rounds, device, decode_only=False):
     """Each fn of configs once untimed, then once per round (decode_only: the
-    seconds generate() reports after its prefill). -> {name: median seconds}."""
+    seconds generate() reports after its prefill). -> medians, last results."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times = {name: [] for name in configs}
+    times, last = {name: [] for name in configs}, {}
     for _ in range(rounds + 1):  # the first round untimed
         for name, fn in configs.items():
             sync()  # a timing waits for the work queued before it
             t0 = time.perf_counter()
-            result = fn()
+            last[name] = fn()
             sync()
-            times[name].append(result[2] if decode_only else time.perf_counter() - t0)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}
+            times[name].append(last[name][0] if decode_only else time.perf_counter() - t0)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}, last
 
 
 def bench_training(C, out):
@@ -107,12 +105,12 @@ def bench_training(C, out):
         per_token = [m.flops_per_token(r, min(r, C.bptt_k), C.block_size) for r in loops]
         flops[name] = sum(per_token) * C.batch_size * C.block_size
     frames = torch._dynamo.utils.counters["frames"]["total"]
-    seconds = median_seconds(configs, C.rounds, C.device)
+    seconds = median_seconds(configs, C.rounds, C.device)[0]
     recompiles = torch._dynamo.utils.counters["frames"]["total"] - frames
     out |= {"depths": depths, "recompiles": recompiles}
     rows = []
     for name, m in models.items():
-        fwd = m.inference_flops(C.mean_loops if name == "recurrent" else 1, 1, C.block_size)
+        fwd = m.inference_flops(C.mean_loops if name == "recurrent" else 1, C.block_size)
         speed = C.bench_steps * C.batch_size * C.block_size / seconds[name]
         out[name] = {"layers": m.config.n_prelude, "fwd_flops_per_token": fwd,
                      "tokens_per_s": speed, "flops_per_s": flops[name] / seconds[name]}
@@ -159,21 +157,21 @@ def timed_points(alloc, key):
     return sorted(near)[:5]
 
 
-def frontier_rows(alloc, pw, speeds, seed):
+def frontier_rows(alloc, pw, speeds, spent):
     """A row per timed (policy, index), exits with their iso-loss speedup and
-    realization (tokens/s over uniform depth's at the same FLOPs); printed."""
+    realization (tokens/s over uniform depth's at the FLOPs it spent); printed."""
     a0 = alloc["curves"]["A0"]
     uniform = [speeds[("A0", r)] for r in range(len(a0))]
     front = uniform_frontier(zip([p["loss"] for p in a0], uniform))
     costs = [p["flops"] for p in a0]  # uniform r = 1..r_max: rising costs
     rows, table = [], []
     for (key, i), speed in speeds.items():
-        point = alloc["curves"][key][i]
+        point = alloc["curves"][key][i] | spent.get((key, i), {})
         row = point | {"policy": key, "tokens_per_s": speed}
         cells = ["", ""]
         if key != "A0":
             row["where"] = iso_loss_speedup(front, point["loss"], speed)[1]
-            row["speedup"] = estimate(speedup_at, pw, 1000, seed, key=key, point=i,
+            row["speedup"] = estimate(speedup_at, pw, 1000, alloc["args"]["seed"], key=key, point=i,
                                       uniform_speeds=uniform, speed=speed)
             at_cost = np.interp(point["flops"], costs, uniform, np.nan, np.nan)
             row["realization"] = None if np.isnan(at_cost) else speed / at_cost
@@ -197,8 +195,10 @@ def policy_run(C, model, wins, batch, criterion, setting, alloc):
     if C.frontier == "generation":
         s0 = initial_states(model, batch, 2 * C.bench_tokens, "zero", C.seed, C.device)
         loops = setting if uniform else alloc["mean_loops"]  # the prompt's depth
-        return generate(model, wins[:batch, :C.bench_tokens], C.bench_tokens, loops, s0,
-                        greedy, criterion, setting, alloc["r_max"], cache=C.cache)
+        out = generate(model, wins[:batch, :C.bench_tokens], C.bench_tokens, loops, s0,
+                       greedy, criterion, setting, alloc["r_max"], cache=C.cache)
+        d = float(np.mean(out[1]))
+        return out[2], dict(avg_depth=d, flops=model.inference_flops(d, len(wins[0]) - 1, criterion))
     for x, y in zip(wins[:, :-1].split(batch), wins[:, 1:].split(batch)):
         if uniform:  # the work of an exit's run: forward, per-token loss
             token_loss(model(x, loops=setting, state_init="zero")[0], y)
@@ -219,7 +219,7 @@ def bench_frontier(C, out):
     pw = {k: tuple(np.array(a) for a in arrays) for k, arrays in alloc["per_window"].items()}
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, C.out_dir, splits=("val",))
     generation = C.frontier == "generation"
-    batches = GENERATION_BATCHES if generation else (1, alloc["args"]["batch_size"])
+    batches = (1, 8, 32) if generation else (1, alloc["args"]["batch_size"])
     n = max(C.timing_windows, *batches) if generation else C.timing_windows
     wins = load_windows(os.path.join(data_dir, "val.bin"), meta["dtype"], alloc["windows"],
                         model.config.block_size + 1, alloc["args"]["seed"])[:n].to(C.device)
@@ -228,11 +228,11 @@ def bench_frontier(C, out):
                                      alloc["curves"][key][i]["threshold"], alloc)
                    for key, criterion in EXITS.items() for i in timed_points(alloc, key)}
         with autocast(C.device, C.dtype):
-            seconds = median_seconds(configs, C.rounds, C.device, generation)
+            seconds, last = median_seconds(configs, C.rounds, C.device, generation)
         tokens = batch * (C.bench_tokens - 1) if generation else wins[:, 1:].numel()
         speeds = {name: tokens / s for name, s in seconds.items()}
         print(f"\n## {C.frontier}, batch {batch}: tokens/s, median of {C.rounds}\n")
-        out[batch] = frontier_rows(alloc, pw, speeds, alloc["args"]["seed"])
+        out[batch] = frontier_rows(alloc, pw, speeds, {k: r[1] for k, r in last.items() if r})
     save_atomic(os.path.join(C.out_dir, f"{C.frontier}_bench.json"), out)
     return out
 

@@ -24,7 +24,7 @@ def check(key, value, default, rule):
         die(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
     if isinstance(rule, tuple) and not choice and not rule[0] <= value <= rule[1]:
         die(f"--{key} must be in [{rule[0]}, {rule[1]}], got {value!r}")
-    if rule is str and not value.strip() and value != default:
+    if rule is str and not value.strip():
         die(f"--{key} must not be empty")
     return value
 

@@ -292,7 +292,7 @@ def main(argv=()):
     cv, tc = convergence(model, wins, decode, n_diag, C)
     checkpoint = dict(path=path, id=checkpoint_id(ckpt), iter_num=ckpt["iter_num"],
                       dataset=ckpt["config"]["dataset"], mean_loops=mean, max_loops=model.config.max_loops)
-    res = dict(args=vars(C), checkpoint=checkpoint, windows=C.windows, block_size=model.config.block_size,
+    res = dict(args=vars(C), checkpoint=checkpoint, block_size=model.config.block_size,
                elasticity=el, convergence=cv, token_classes=tc, seconds=time.perf_counter() - t_start)
     save_atomic(result, res)
     if C.plot:

@@ -297,12 +297,13 @@ class GPT(nn.Module):
         prelude, core, readout = self.flop_terms(T)
         return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * core
 
-    def inference_flops(self, loops, readouts, T, tests=0, criterion="none"):
-        """Forward FLOPs per token of a policy, exit tests included."""
+    def inference_flops(self, loops, T, criterion="none"):
+        """Forward FLOPs per token of a policy (KL: a readout a loop)."""
         prelude, core, readout = self.flop_terms(T)
         c = self.config
         cost = {"kl": 8 * c.vocab_size, "state": 6 * c.n_embd, "probe": 4 * c.n_embd}
-        return prelude + loops * core + readouts * readout + tests * cost.get(criterion, 0)
+        readouts = loops if criterion == "kl" else 1
+        return prelude + loops * core + readouts * readout + (loops - 1) * cost.get(criterion, 0)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         matrices = [p for p in self.parameters() if p.dim() >= 2]  # not the gains

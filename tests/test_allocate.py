@@ -230,12 +230,12 @@ def test_main_writes_json_tables_in_loops_and_flops_and_plot(trained, monkeypatc
             assert min(abs(x - d) for x in depths) <= 0.05 + 1e-9  # read at a measurement, not interpolated
     assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
     # the same rows at matched FLOPs: uniform depth's FLOPs at those depths
-    flops = [model.inference_flops(d, 1, 32) for d in (3 * f / 8 for f in range(3, 8))]
+    flops = [model.inference_flops(d, 32) for d in (3 * f / 8 for f in range(3, 8))]
     assert [row["cost"] for row in saved["table_flops"]] == pytest.approx(flops)
     assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
     a1 = saved["curves"]["A1"][0]  # the KL exit pays a readout and a test every loop
-    assert a1["flops"] == pytest.approx(model.inference_flops(a1["avg_depth"], a1["avg_depth"], 32,
-                                                              a1["avg_depth"] - 1, "kl"))
+    d = a1["avg_depth"]
+    assert a1["flops"] == pytest.approx(model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256))
     assert len(saved["per_window"]["A1"]) == 3 and len(saved["per_window"]["A1"][0][0]) == 6
 
 
@@ -246,10 +246,11 @@ def test_policy_flops_on_a_hand_count(trained):
     attn = 4 * T * d
     prelude, core, readout = 2 * block + attn, 2 * (2 * block + 2 * d * d) + 2 * attn, 2 * block + 2 * V * d + attn
     assert model.flop_terms(T) == (prelude, core, readout)
-    assert model.inference_flops(3, 1, T) == prelude + 3 * core + readout
-    kl = prelude + 3 * core + 3 * readout + 2 * 8 * V  # three readouts, two KL tests
-    assert model.inference_flops(3, 3, T, 2, "kl") == kl
-    assert model.inference_flops(3, 1, T, 2, "state") == prelude + 3 * core + readout + 2 * 6 * d
+    assert model.inference_flops(3, T) == prelude + 3 * core + readout
+    kl = prelude + 3 * core + 3 * readout + 2 * 8 * V  # three readouts, two KL tests (loops 2 and 3)
+    assert model.inference_flops(3, T, "kl") == kl
+    assert model.inference_flops(3, T, "state") == prelude + 3 * core + readout + 2 * 6 * d
+    assert model.inference_flops(3, T, "probe") == prelude + 3 * core + readout + 2 * 4 * d
 
 
 @pytest.mark.parametrize("criterion", ["kl", "state"])

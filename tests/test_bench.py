@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 import bench  # noqa: E402
 import train  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, load_checkpoint  # noqa: E402
 
 TINY = dict(vocab_size=64, block_size=16, n_embd=32, n_head=2, n_kv_head=1, ffn_hidden=64,
             n_prelude=1, n_core=1, n_coda=1, mean_loops=2, max_loops=6, bptt_k=2)
@@ -28,7 +28,7 @@ def test_flops_per_token_matches_a_hand_count():
     loops, n_grad = 5, 2
     hand = 3 * fwd_outer + 3 * n_grad * fwd_core + (loops - n_grad) * fwd_core
     assert model.flops_per_token(loops, n_grad, T) == hand
-    assert model.inference_flops(2, 1, T) == fwd_outer + 2 * fwd_core
+    assert model.inference_flops(2, T) == fwd_outer + 2 * fwd_core
 
 
 def test_dense_twin_has_the_recurrent_forward_flops_within_half_a_block():
@@ -36,7 +36,7 @@ def test_dense_twin_has_the_recurrent_forward_flops_within_half_a_block():
     rec = GPT(GPTConfig(**TINY))
     dense = bench.dense_twin(rec, C)
     block_fwd = 2 * 9216 + 2048  # one plain block's forward: 2N + attention
-    target, got = rec.inference_flops(2, 1, 16), dense.inference_flops(1, 1, 16)
+    target, got = rec.inference_flops(2, 16), dense.inference_flops(1, 16)
     assert abs(got - target) <= 0.5 * block_fwd
     assert (dense.config.n_core, dense.config.n_coda, dense.config.n_embd) == (0, 0, 32)
     x = torch.randint(64, (2, 16))
@@ -107,7 +107,7 @@ def fake_allocation():
     noise = torch.linspace(-0.01, 0.01, 8).double().numpy()
     pw = {k: ([[p["loss"] + e for e in noise] for p in c],) for k, c in (("A0", a0), ("A1", a1))}
     pw = {k: tuple(map(np.array, arrays)) for k, arrays in pw.items()}
-    return {"curves": {"A0": a0, "A1": a1}, "table": table}, pw
+    return {"curves": {"A0": a0, "A1": a1}, "table": table, "args": {"seed": 0}}, pw
 
 
 def test_exits_are_timed_only_near_the_tables_loops_at_their_original_indices():
@@ -125,7 +125,7 @@ def test_frontier_rows_read_each_timed_point_against_uniform(capsys):
     # (45: beyond every uniform cost); 6 has loss 3.1 and 0 has 0.5, below every uniform loss
     speeds = {("A0", 0): 400.0, ("A0", 1): 200.0, ("A0", 2): 133.0, ("A0", 3): 100.0,
               ("A1", 2): 150.0, ("A1", 6): 300.0, ("A1", 0): 90.0}
-    rows = bench.frontier_rows(alloc, pw, speeds, seed=0)
+    rows = bench.frontier_rows(alloc, pw, speeds, spent={})
     assert [r["policy"] for r in rows] == ["A0"] * 4 + ["A1"] * 3
     assert [r["threshold"] for r in rows[4:]] == [alloc["curves"]["A1"][i]["threshold"] for i in (2, 6, 0)]
     point2, point6, point0 = rows[4:]
@@ -137,6 +137,11 @@ def test_frontier_rows_read_each_timed_point_against_uniform(capsys):
     assert point6["where"] == "inside" and point6["speedup"]["value"] == pytest.approx(300 / 220)
     assert point6["speedup"]["interval"][0] <= 300 / 220 <= point6["speedup"]["interval"][1]
     assert point0["where"] == "below" and "below uniform" in capsys.readouterr().out
+    # generation: a point is read at the FLOPs its own decoded tokens took (2.3 loops), not scoring's
+    spent = {("A1", 2): {"avg_depth": 2.3, "flops": 23e6}}
+    point2 = bench.frontier_rows(alloc, pw, speeds, spent)[4]
+    assert point2["realization"] == pytest.approx(150 / (200 - 0.3 * 67)) and point2["avg_depth"] == 2.3
+    assert point2["threshold"] == alloc["curves"]["A1"][2]["threshold"] and "| 2.30 | 23 |" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +167,7 @@ def test_frontier_bench_times_every_policy_and_reads_it_against_uniform(allocate
     batches = ["1", "8", "32"] if frontier == "generation" else ["1", "4"]
     assert [k for k in saved if k.isdigit()] == batches and set(out) - {"command", "date"} == set(map(int, batches))
     alloc = json.loads((allocated / "out" / "allocate.json").read_text())
+    model = load_checkpoint("out/ckpt.pt")[0]
     timed = [(k, i) for k in ("A0", "A1", "A1s") for i in bench.timed_points(alloc, k)]
     assert all(len(bench.timed_points(alloc, k)) <= 5 for k in ("A1", "A1s"))
     for rows in out.values():
@@ -172,6 +178,9 @@ def test_frontier_bench_times_every_policy_and_reads_it_against_uniform(allocate
         assert all(r["tokens_per_s"] > 0 for r in rows)
         for r in rows[4:]:
             assert r["speedup"]["value"] > 0 and (r["realization"] is None or r["realization"] > 0)
+        for r in rows if frontier == "generation" else ():  # read at the decoded tokens' own FLOPs
+            assert r["flops"] == pytest.approx(model.inference_flops(r["avg_depth"], 32, bench.EXITS[r["policy"]]))
+            assert r["avg_depth"] == r["threshold"] if r["policy"] == "A0" else 2 <= r["avg_depth"] <= alloc["r_max"]
 
 
 def test_a_stale_allocation_is_refused(allocated, monkeypatch, capsys):

@@ -124,7 +124,7 @@ def test_eval_json_schema_ranges_and_figures(indir, tmp_path, capsys):
     assert "| loop | mean_kl | mean_state_change | percent_moving | loss |" in out and "noise init" in out
     saved = json.loads(Path("out-tiny/eval.json").read_text())
     assert saved == json.loads(json.dumps(res))
-    assert set(saved) == {"args", "checkpoint", "windows", "block_size", "elasticity", "convergence",
+    assert set(saved) == {"args", "checkpoint", "block_size", "elasticity", "convergence",
                           "token_classes", "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["plot"] is True
     assert saved["checkpoint"]["id"].endswith("@30") and saved["checkpoint"]["mean_loops"] == 4

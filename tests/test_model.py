@@ -260,9 +260,9 @@ def test_flops_per_token_counts_grad_loops_three_times():
     assert core_loop == per_loop_fwd and prelude > 0 and readout > 2 * 50 * 32  # the head is in the readout
     assert model.flops_per_token(4, 2, 16) == 3 * (prelude + readout) + (3 * 2 + 2) * core_loop
     # inference: each loop and readout once, and the exit tests' own cost
-    assert model.inference_flops(4, 1, 16) == prelude + 4 * core_loop + readout
-    assert model.inference_flops(4, 2, 16, tests=3, criterion="kl") == prelude + 4 * core_loop + 2 * readout + 3 * 8 * 50
-    assert model.inference_flops(4, 1, 16, tests=2, criterion="state") - model.inference_flops(4, 1, 16) == 2 * 6 * 32
+    assert model.inference_flops(4, 16) == prelude + 4 * core_loop + readout
+    assert model.inference_flops(4, 16, "kl") == prelude + 4 * core_loop + 4 * readout + 3 * 8 * 50  # a readout a loop
+    assert model.inference_flops(4, 16, "state") - model.inference_flops(4, 16) == 3 * 6 * 32  # tests at loops 2-4
 
 
 def test_training_memory_counts_what_the_micro_step_keeps():

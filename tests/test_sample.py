@@ -462,14 +462,6 @@ def test_a_vanishing_temperature_is_greedy(tiny, capsys):
     assert run_main(capsys, "--temperature=1e-300", "--num_samples=2")[1] == greedy  # no inf / inf
 
 
-def test_the_default_blank_prompt_may_be_given_explicitly(tiny, capsys):
-    args = ["--out_dir=out", "--max_new_tokens=5", "--temperature=0", "--num_samples=1"]
-    assert torch.equal(sample.main(args + ["--start=\n"]), sample.main(args))  # the default
-    with pytest.raises(SystemExit) as err:  # any other blank text is still refused
-        run_main(capsys, "--start= ")
-    assert err.value.code == 2 and "--start must not be empty" in capsys.readouterr().err
-
-
 def test_prompt_from_file(tiny, capsys, tmp_path):
     (tmp_path / "prompt.txt").write_text("Good night café 日本", encoding="utf-8")
     _, text, _ = run_main(capsys, f"--start=FILE:{tmp_path / 'prompt.txt'}", "--temperature=0", "--num_samples=1")
