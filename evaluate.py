@@ -268,7 +268,7 @@ def main(argv=()):
         theirs = os.path.join(C.versus, "eval.json")
         try:
             with open(theirs) as f:
-                control = {row["loops"]: row["loss"] for row in json.load(f)["elasticity"]}
+                control = {row["loops"]: float(row["loss"]) for row in json.load(f)["elasticity"]}
         except (OSError, ValueError, KeyError, TypeError) as err:
             die(f"--versus: cannot read {theirs} ({type(err).__name__})")
     if C.plot:

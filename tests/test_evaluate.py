@@ -199,6 +199,14 @@ def test_bad_input_exits_with_one_line(indir, capsys, args):
     assert err.startswith("error: ") and "\n" not in err
 
 
+def test_a_control_with_a_non_number_loss_is_one_line(indir, tmp_path, capsys):
+    (tmp_path / "eval.json").write_text(json.dumps({"elasticity": [{"loops": 1, "loss": "low"}]}))
+    with pytest.raises(SystemExit) as e:  # refused before the work, not a traceback in the table
+        evaluate.main(FAST + [f"--versus={tmp_path}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --versus") and err.count("\n") == 1
+
+
 def test_checkpoint_without_its_dataset(indir, tmp_path, monkeypatch, capsys):
     shutil.copytree(indir / "out-tiny", tmp_path / "out-tiny", ignore=shutil.ignore_patterns("*.png", "*.json"))
     monkeypatch.chdir(tmp_path)  # no data/ here
