@@ -69,6 +69,7 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
     B, T = x.shape
     c = model.config
     kl = criterion == "kl"
+    probed = criterion == "probe"
     e = model.prelude(x)
     s = model.init_state(e, "zero")
     latest = model.new_caches(c.n_core, B, T)
@@ -89,7 +90,6 @@ def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
         real_where = (rows[:, None].expand_as(pos)[real], pos[real])
         if loop >= MIN_EXIT_LOOP:
             old = logits[where] if kl else None
-            probed = criterion == "probe"
             score = probe(s_new) if probed else exit_score(criterion, s_new, s_old, new, old)
             active[real_where] = score[real] >= threshold
         s[real_where] = s_new[real]
