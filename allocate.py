@@ -1,390 +1,300 @@
-"""The paper's per-token depth policies on a frozen checkpoint, against uniform
-depth at matched loops and at matched FLOPs per token (zero init, r_max, no
-stop before loop 2): A0 uniform r; A1 stops once KL(p_i || p_{i-1}) < eps;
-A1s once the relative state change is; A2 once a probe on s_i, fit on train
-windows, says the argmax will not change. Measured on the realized engine,
-with paired bootstrap 95% intervals over the windows.
+"""The paper's per-token depth policies on a frozen checkpoint, against uniform depth.
 
-    python allocate.py --out_dir=out-shakespeare [--windows=128] [--plot]
+    A0   uniform depth r = 1..r_max
+    A1   a token stops once KL(p_i || p_{i-1}) < threshold
+    A1s  a token stops once its relative state change ||s_i - s_{i-1}|| / ||s_i|| < threshold
+    A2   a token stops once a probe on s_i, fit on train windows, says its argmax will not change
+
+Every policy is read off one trace of the windows to r_max from a zero state (evaluate.trace: each
+token's loss and exit scores after every loop): a token stops after the first loop from 2 whose
+score is below the threshold, or at r_max, and scores the loss it had there. This reads each token
+as if alone: in a real run a stopped token would show the others its held state, not its next one
+(the paper's masking harness; README gives the measured difference). The policies are compared at
+matched average loops and at matched FLOPs per token, with paired bootstrap 95% intervals.
+
+    python allocate.py --out_dir=out-shakespeare
 """
-import math
 import os
-import sys
 import time
-from functools import partial
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from configurator import configure, die, run
-from evaluate import load_windows, markdown, pyplot, save, trace
-from model import MIN_EXIT_LOOP, R_MAX_PER_MEAN, autocast, checkpoint_id
-from model import exit_score, load_checkpoint, token_loss, save_atomic
+from configurator import UserError, configure, run
+from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, trace
+from model import EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
 from prepare import open_dataset
 
-out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json (.png)
+out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
 windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
-train_windows = 32  # A2's label windows from train.bin (never evaluated)
-r_max = 0  # the deepest loop any policy may run; 0: 2 x mean_loops
-batch_size = 8  # windows per call: the B of depth-wise batching
-n_grid = 4  # starting thresholds per policy (then placed by bisection)
-tolerance = 0.05  # loops: each table row within it of a measurement
+train_windows = 32  # windows from train.bin for A2's probe and the threshold grids (never evaluated)
+r_max = 0  # the deepest loop any policy may run; 0: the model's max_loops (the paper's r_max)
+batch_size = 8  # windows per forward
+n_grid = 48  # thresholds per exit, geometric over the range of its scores on the train windows
 probe_steps = 300  # full-batch Adam steps for A2's logistic probe
 bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
-plot = False  # also write allocate.png
-device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda, cuda:N
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
-RULES = dict(out_dir=str, windows=(1, 2 ** 20), train_windows=(2, 2 ** 20), r_max=(0, 1024),
-             batch_size=(1, 4096), n_grid=(2, 100), tolerance=(1e-3, 10.0), probe_steps=(1, 10 ** 6),
-             bootstrap=(10, 10 ** 6), seed=(0, 2 ** 32 - 1), plot=bool, device=str,
+device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
+dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
+RULES = dict(windows=(1, 2 ** 20), train_windows=(2, 2 ** 20), r_max=(0, 1024), batch_size=(1, 4096),
+             n_grid=(2, 10 ** 4), probe_steps=(1, 10 ** 6), bootstrap=(10, 10 ** 6), seed=(0, 2 ** 32 - 1),
              dtype=("float32", "bfloat16"))
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
-CRITERION = {"A1": "kl", "A1s": "state", "A2": "probe"}
-ROWS = [f / 8 for f in range(3, 8)]  # the matched tables' rows, times mean_loops
-
-
-# ---- the realized engine
-def active_positions(active):
-    """Active tokens as one padded block: rows (B',), pos and real (B', A).
-    Padding repeats a window's last active token; its results are dropped."""
-    counts = active.sum(1)
-    rows = counts.nonzero()[:, 0]
-    counts = counts[rows]
-    width = int(counts.max()) if len(rows) else 0
-    # a stable sort of "inactive" flags puts each window's active tokens first
-    order = torch.sort((~active[rows]).byte(), dim=1, stable=True).indices[:, :width]
-    real = torch.arange(width, device=active.device) < counts[:, None]
-    pos = torch.where(real, order, order.gather(1, counts[:, None] - 1))
-    return rows, pos, real
-
-
-@torch.no_grad()
-def realized_exit(model, x, y, r_max, criterion, threshold, probe=None):
-    """Depth-wise batched exit over windows x (B, T), any B: each loop's core
-    call carries every window's active tokens; a frozen token serves the K/V
-    of its last loop (one cache slot per window). -> per-token loss, loops (B, T)."""
-    B, T = x.shape
-    c = model.config
-    kl = criterion == "kl"
-    probed = criterion == "probe"
-    e = model.prelude(x)
-    s = model.init_state(e, "zero")
-    latest = model.new_caches(c.n_core, B, T)
-    coda = model.new_caches(c.n_coda, B, T) if kl else None
-    logits = torch.zeros(B, T, c.vocab_size, device=x.device) if kl else None
-    active = torch.ones(B, T, dtype=torch.bool, device=x.device)
-    depth = torch.zeros(B, T, dtype=torch.long, device=x.device)
-    for loop in range(1, r_max + 1):
-        rows, pos, real = active_positions(active)
-        if len(rows) == 0:
-            break
-        where = (rows[:, None], pos)  # padding included
-        at = () if active.all() else (pos, rows)  # all: causal
-        s_old = s[where]
-        s_new = model.core_step(e[where], s_old, latest, *at)
-        new = model.readout(s_new, coda, *at) if kl else None
-        depth += active
-        real_where = (rows[:, None].expand_as(pos)[real], pos[real])
-        if loop >= MIN_EXIT_LOOP:
-            old = logits[where] if kl else None
-            score = probe(s_new) if probed else exit_score(criterion, s_new, s_old, new, old)
-            active[real_where] = score[real] >= threshold
-        s[real_where] = s_new[real]
-        if kl:
-            logits[real_where] = new[real].float()
-    if not kl:
-        logits = model.readout(s)
-    return token_loss(logits, y), depth
+TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched tables' rows, in units of mean_loops
 
 
 # ---- A2: the oracle-labelled router
 def harvest_labels(argmax):
-    """argmax (r_max, ...) -> (r_max, ...): does loop i's argmax change later?"""
+    """argmax (r_max, ...) -> (r_max, ...) bool: does the argmax after loop i change at a later loop?"""
     later = [(argmax[i + 1:] != argmax[i]).any(0) for i in range(len(argmax))]
     return torch.stack(later)
 
 
 def fit_probe(x_fit, y_fit, x_held, y_held, steps):
-    """Logistic regression on standardised features, full-batch Adam from
-    zeros. -> (P(label | x), held-out accuracy, majority-class accuracy)."""
+    """Logistic regression on standardised features, full-batch Adam from zeros. x (N, d), y (N,)
+    bool -> (P(label | state) as a function, held-out accuracy, majority-class accuracy)."""
     mu = x_fit.mean(0)
     sd = x_fit.std(0).clamp_min(1e-6)
     w = torch.zeros(x_fit.size(1), requires_grad=True)
     b = torch.zeros((), requires_grad=True)
-    opt = torch.optim.Adam([w, b], lr=0.05)
+    optimizer = torch.optim.Adam([w, b], lr=0.05)
     z_fit = (x_fit - mu) / sd
     with torch.enable_grad():
         for _ in range(steps):
-            opt.zero_grad()
+            optimizer.zero_grad()
             F.binary_cross_entropy_with_logits(z_fit @ w + b, y_fit.float()).backward()
-            opt.step()
+            optimizer.step()
 
-    def prob(s):  # float32 input, whatever the autocast
+    def probe(s):  # float32, whatever the autocast
         z = (s.float() - mu.to(s.device)) / sd.to(s.device)
         return torch.sigmoid(z @ w.detach().to(s.device) + b.detach())
 
     rate = y_held.float().mean().item()
-    accuracy = ((prob(x_held) > 0.5) == y_held).float().mean().item()
-    return prob, accuracy, max(rate, 1 - rate)
+    accuracy = ((probe(x_held) > 0.5) == y_held).float().mean().item()
+    return probe, accuracy, max(rate, 1 - rate)
 
 
-def log_grid(values, n):
-    """n thresholds, geometric between the 2nd and 98th percentiles."""
-    v = values[torch.isfinite(values) & (values > 0)].double().cpu().numpy()
-    return np.geomspace(*np.quantile(v, [0.02, 0.98]), n).tolist()
+def probe_exit_test(probe):
+    """A2 as an exit test: its score is the probe's P(this token's argmax changes later)."""
+    def score(s_new, s_old, logits_new, logits_old):
+        return probe(s_new)
+    # a standardisation and a dot product per state channel
+    return ExitTest(score, lambda config: 4 * config.n_embd, needs_logits=False)
 
 
-def fit_router(model, twins, C, r_max):
-    """A2 from training windows only, the last 20% of windows held out. The
-    threshold grids come from here too, never from the evaluation windows."""
-    parts = [trace(model, b[:, :-1], b[:, 1:], r_max, keep_states=True)
-             for b in twins.split(C.batch_size)]
-    harvest = {k: torch.cat([part[k] for part in parts], 1) for k in parts[0]}
-    labels = harvest_labels(harvest["argmax"])[:-1].cpu()  # r_max: no later loop
-    states = harvest["state"][:-1].float().cpu()
-    n_fit = min(round(0.8 * len(twins)), len(twins) - 1)
+def exit_scores(model, wins, C, r_max, probe=None):
+    """Trace windows (n, T + 1) to r_max from a zero state -> (r_max, n, T) each on the CPU: the
+    loss after every loop, the exits' scores (A1's KL, A1s's state change, A2's probe if given),
+    and the argmax (for A2's labels)."""
+    parts = {"loss": [], "A1": [], "A1s": [], "A2": [], "argmax": [], "state": []}
+    for batch in wins.split(C.batch_size):
+        traced = trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True)
+        parts["loss"].append(traced["loss"].cpu())
+        parts["A1"].append(traced["kl"].cpu())
+        parts["A1s"].append(traced["dstate_rel"].cpu())
+        parts["argmax"].append(traced["argmax"].cpu())
+        if probe is None:  # the probe's own training windows: keep their states to fit it on
+            parts["state"].append(traced["state"].float().cpu())
+        else:  # the states themselves are too big to keep: r_max x n x T x d
+            parts["A2"].append(probe(traced["state"]).cpu())
+    return {key: torch.cat(values, 1) for key, values in parts.items() if values}
+
+
+def log_grid(scores, n):
+    """n thresholds, geometric between the 1st and 99th percentiles of the positive scores."""
+    positive = scores[torch.isfinite(scores) & (scores > 0)].double().numpy()
+    low, high = np.quantile(positive, [0.01, 0.99])
+    return np.geomspace(low, high, n).tolist()
+
+
+def fit_router(model, train_wins, C, r_max):
+    """A2's probe from training windows only (the last 20% held out), and every exit's threshold
+    grid from the same trace, never from the evaluation windows.
+    -> (the probe: states -> P(argmax changes later), grids {policy: thresholds}, its accuracy)"""
+    traced = exit_scores(model, train_wins, C, r_max)
+    labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
+    states = traced["state"][:-1]
+    n_fit = min(round(0.8 * len(train_wins)), len(train_wins) - 1)
     fit = (states[:, :n_fit].flatten(0, 2), labels[:, :n_fit].flatten())
     held = (states[:, n_fit:].flatten(0, 2), labels[:, n_fit:].flatten())
-    prob, accuracy, majority = fit_probe(*fit, *held, C.probe_steps)
-    grids = {"A1": log_grid(harvest["kl"][1:], C.n_grid),
-             "A1s": log_grid(harvest["dstate_rel"][1:], C.n_grid),
-             "A2": log_grid(prob(states[:, n_fit:]).flatten(), C.n_grid)}
-    info = {"accuracy": accuracy, "majority": majority}
-    return prob, info, grids
+    probe, accuracy, majority = fit_probe(*fit, *held, C.probe_steps)
+    grids = {"A1": log_grid(traced["A1"][1:], C.n_grid), "A1s": log_grid(traced["A1s"][1:], C.n_grid),
+             "A2": log_grid(probe(states[:, n_fit:]).flatten(), C.n_grid)}
+    return probe, grids, {"accuracy": accuracy, "majority": majority}
 
 
-# ---- curves and intervals
-# pw: per-window results {policy: (loss, loops, flops)}, arrays (points,
-# windows); x picks the cost axis (1 loops, 2 FLOPs per token). A paired
-# bootstrap resamples every array's windows with the same indices.
-def curve(pw, key, x=1):
-    """(average cost, loss) of each of the policy's points."""
-    return list(zip(pw[key][x].mean(1), pw[key][0].mean(1)))
+def read_policies(model, traced, tests, grids):
+    """Every policy's points, read off the trace: per window (points, windows) arrays of the mean
+    loss, loops and FLOPs per token -> per_window {(policy, "loss" | "loops" | "flops"): array},
+    and each policy's settings (A0's depths, the exits' thresholds)."""
+    r_max, n, T = traced["loss"].shape
+    uniform_loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], n, 1)
+    per_window = {("A0", "loss"): traced["loss"].double().mean(2).numpy(),
+                  ("A0", "loops"): uniform_loops,
+                  ("A0", "flops"): model.inference_flops(uniform_loops, T)}
+    settings = {"A0": list(range(1, r_max + 1))}
+    for policy, test in tests.items():
+        losses, loops = [], []
+        for threshold in grids[policy]:
+            # no exit before loop 2: exit_depth reads the scores of loops 2..r_max
+            depth = exit_depth(traced[policy][MIN_EXIT_LOOP - 1:], threshold)  # (n, T)
+            loss = traced["loss"].gather(0, depth[None] - 1)[0]
+            losses.append(loss.double().mean(1).numpy())
+            loops.append(depth.double().mean(1).numpy())
+        per_window[policy, "loss"] = np.stack(losses)
+        per_window[policy, "loops"] = np.stack(loops)
+        per_window[policy, "flops"] = model.inference_flops(per_window[policy, "loops"], T, test)
+        settings[policy] = grids[policy]
+    return per_window, settings
+
+
+# ---- curves and statistics: per_window[policy, measure] is (points, windows); a statistic
+# reads it, and paired_bootstrap resamples its windows
+def curve(per_window, policy, cost):
+    """[(average cost, average loss)] of each of the policy's points; cost "loops" or "flops"."""
+    costs = per_window[policy, cost].mean(1)
+    losses = per_window[policy, "loss"].mean(1)
+    return list(zip(costs, losses))
 
 
 def cost_at_loss(points, loss):
-    """The least cost at which the (cost, loss) polyline reaches loss, or None."""
-    pts = sorted(points)
-    if pts[0][1] <= loss:
-        return pts[0][0]
-    for (c0, l0), (c1, l1) in zip(pts, pts[1:]):  # l0 > loss here
+    """The least cost at which the (cost, loss) polyline first reaches `loss`, or None."""
+    points = sorted(points)
+    if points[0][1] <= loss:
+        return points[0][0]
+    for (c0, l0), (c1, l1) in zip(points, points[1:]):  # l0 > loss here
         if l1 <= loss:
             return c0 + (l0 - loss) / (l0 - l1) * (c1 - c0)
     return None
 
 
 def interp_loss(points, cost):
-    """Loss at an average cost along (cost, loss) points; None outside."""
+    """The loss at an average cost along (cost, loss) points; None outside them."""
     costs, losses = zip(*sorted(points))
-    inside = costs[0] <= cost <= costs[-1]
-    return float(np.interp(cost, costs, losses)) if inside else None
+    if not costs[0] <= cost <= costs[-1]:
+        return None
+    return float(np.interp(cost, costs, losses))
 
 
-def bar_loss(pw, mean):
-    return pw["A0"][0][mean - 1].mean()
+def bar_loss(per_window, mean):
+    """The bar: uniform depth's loss at r = mean_loops."""
+    return per_window["A0", "loss"][mean - 1].mean()
 
 
-def cost_at_bar(pw, key, mean, x=1):
-    return cost_at_loss(curve(pw, key, x), bar_loss(pw, mean))
+def cost_at_bar(per_window, policy, mean, cost):
+    return cost_at_loss(curve(per_window, policy, cost), bar_loss(per_window, mean))
 
 
-def saving_at_bar(pw, key, mean, x=1):
+def saving_at_bar(per_window, policy, mean, cost):
     """1 - the policy's cost at the bar / uniform depth's."""
-    cost = cost_at_bar(pw, key, mean, x)
-    uniform = cost_at_bar(pw, "A0", mean, x)
-    return None if cost is None or uniform is None else 1 - cost / uniform
+    spent = cost_at_bar(per_window, policy, mean, cost)
+    uniform = cost_at_bar(per_window, "A0", mean, cost)
+    if spent is None or uniform is None:
+        return None
+    return 1 - spent / uniform
 
 
-def loss_delta(pw, key, cost, x=1):
-    """The policy's loss minus A0's at a matched average cost."""
-    a0 = interp_loss(curve(pw, "A0", x), cost)
-    other = interp_loss(curve(pw, key, x), cost)
-    return None if a0 is None or other is None else other - a0
+def loss_delta(per_window, policy, at, cost):
+    """The policy's loss minus A0's at a matched average cost `at`."""
+    uniform = interp_loss(curve(per_window, "A0", cost), at)
+    other = interp_loss(curve(per_window, policy, cost), at)
+    if uniform is None or other is None:
+        return None
+    return other - uniform
 
 
-def estimate(stat, pw, n_resamples, seed, **kwargs):
-    """{'value': stat(pw), 'interval': its paired bootstrap 95% interval, or
-    None where stat is undefined in more than 5% of the resamples}."""
-    value = stat(pw, **kwargs)
-    g = np.random.default_rng(seed)
-    n = pw["A0"][0].shape[1]
-    values = []
-    for _ in range(n_resamples):
-        pick = g.integers(0, n, n)
-        picked = {k: tuple(a[:, pick] for a in arrays) for k, arrays in pw.items()}
-        v = stat(picked, **kwargs)
-        if v is not None:
-            values.append(v)
-    interval = None
-    if value is not None and len(values) >= 0.95 * n_resamples:
-        interval = [float(np.percentile(values, q)) for q in (2.5, 97.5)]
-    return {"value": None if value is None else float(value), "interval": interval}
-
-
-# ---- the measurements
-def measure(model, batches, r_max, key, threshold, probe):
-    """One threshold on the realized engine -> per-window (loss, loops, FLOPs)."""
-    runs = [realized_exit(model, x, y, r_max, CRITERION[key], threshold, probe) for x, y in batches]
-    loss = torch.cat([run[0].mean(1) for run in runs]).double().cpu().numpy()
-    depth = torch.cat([run[1].float().mean(1) for run in runs]).double().cpu().numpy()
-    T = batches[0][0].size(1)
-    return loss, depth, model.inference_flops(depth, T, CRITERION[key])
-
-
-def place(measure_at, points, axis, target, tol, tries=10):
-    """Measure thresholds until a row read at target along axis (0 loss, 1
-    loops, 2 FLOPs) lies within tol loops of a measurement: false position on
-    log(threshold), bisection when one end sticks. A target the grid does not
-    bracket stays unmeasured. points: {threshold: per-window (loss, loops,
-    flops)}, filled in place."""
-    sides = []
-    for _ in range(tries):
-        ts = sorted(points)
-        above = [points[t][axis].mean() >= target for t in ts]
-        cross = [i for i in range(len(ts) - 1) if above[i] != above[i + 1]]
-        if not cross:
-            return
-        t0, t1 = ts[cross[-1]:cross[-1] + 2]  # the shallowest crossing
-        v0, v1 = (points[t][axis].mean() for t in (t0, t1))
-        d0, d1 = (points[t][1].mean() for t in (t0, t1))
-        w = (target - v0) / (v1 - v0)  # the row's place between them
-        if min(w, 1 - w) * abs(d1 - d0) <= tol:
-            return
-        stuck = len(sides) > 1 and sides[-1] == sides[-2]
-        t = math.sqrt(t0 * t1) if stuck else t0 * (t1 / t0) ** w
-        points[t] = measure_at(t)
-        sides.append(points[t][axis].mean() >= target)
-
-
-def sweep(model, X, Y, C, r_max, grids, probe):
-    """Per-window (loss, loops, FLOPs per token), each (points, windows): A0 by
-    one trace to r_max; each exit from its grid, then thresholds placed at the
-    matched table's loops and FLOPs and at the bar. -> (pw, thresholds)."""
-    T = X.size(1)
-    batches = list(zip(X.split(C.batch_size), Y.split(C.batch_size)))
-    a0 = torch.cat([trace(model, x, y, r_max)["loss"].mean(2) for x, y in batches], 1)
-    loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], len(X), 1)
-    pw = {"A0": (a0.double().cpu().numpy(), loops, model.inference_flops(loops, T))}
-    rows = [model.config.mean_loops * f for f in ROWS]
-    uniform_flops = np.interp(rows, loops[:, 0], pw["A0"][2][:, 0])
-    targets = [(1, d) for d in rows] + [(2, f) for f in uniform_flops]
-    targets.append((0, bar_loss(pw, model.config.mean_loops)))
-    thresholds = {}
-    for key in ("A1", "A1s", "A2"):
-        measure_at = partial(measure, model, batches, r_max, key, probe=probe)
-        points = {t: measure_at(t) for t in grids[key]}
-        for axis, target in tqdm(targets, desc=f"{key} placing", file=sys.stderr):
-            place(measure_at, points, axis, target, C.tolerance)
-        thresholds[key] = sorted(points)
-        pw[key] = tuple(np.stack([points[t][i] for t in thresholds[key]]) for i in range(3))
-    return pw, thresholds
-
-
-def summarize(pw, C, mean):
-    """Matched tables (in loops and in FLOPs) and each policy's cost at the bar."""
-    res = {"bar": bar_loss(pw, mean), "at_bar": {}, "table": [], "table_flops": []}
-    stats = {"": cost_at_bar, "_saved": saving_at_bar}
-    for key in pw:
-        res["at_bar"][key] = {}
-        for x, axis in ((1, "loops"), (2, "flops")):
-            for suffix, stat in stats.items():
-                est = estimate(stat, pw, C.bootstrap, C.seed, key=key, mean=mean, x=x)
-                res["at_bar"][key][axis + suffix] = est
-    for depth in (mean * f for f in ROWS):
-        flops = float(np.interp(depth, pw["A0"][1][:, 0], pw["A0"][2][:, 0]))
-        for x, cost, table in ((1, depth, "table"), (2, flops, "table_flops")):
-            row = {"avg_depth": depth, "cost": cost, "A0": interp_loss(curve(pw, "A0", x), cost)}
-            for key in ("A1", "A1s", "A2"):
-                row[key] = estimate(loss_delta, pw, C.bootstrap, C.seed, key=key, cost=cost, x=x)
-            res[table].append(row)
+def summarize(per_window, C, mean):
+    """The matched tables (a row per average depth, in loops and in FLOPs) and each policy's cost
+    at the bar, each with its paired bootstrap interval."""
+    def interval(stat, **kwargs):
+        return paired_bootstrap(lambda resampled: stat(resampled, **kwargs), per_window, C.bootstrap, C.seed)
+    res = {"bar": bar_loss(per_window, mean), "at_bar": {}, "tables": {"loops": [], "flops": []}}
+    for policy in POLICIES:
+        res["at_bar"][policy] = {}
+        for cost in ("loops", "flops"):
+            res["at_bar"][policy][cost] = interval(cost_at_bar, policy=policy, mean=mean, cost=cost)
+            res["at_bar"][policy][f"{cost}_saved"] = interval(saving_at_bar, policy=policy, mean=mean, cost=cost)
+    uniform_loops = per_window["A0", "loops"][:, 0]
+    uniform_flops = per_window["A0", "flops"][:, 0]
+    for depth in (mean * f for f in TABLE_ROWS):
+        flops = float(np.interp(depth, uniform_loops, uniform_flops))  # uniform depth's at that depth
+        for cost, at in (("loops", depth), ("flops", flops)):
+            row = {"loops": depth, "cost": at, "A0": interp_loss(curve(per_window, "A0", cost), at)}
+            for policy in ("A1", "A1s", "A2"):
+                row[policy] = interval(loss_delta, policy=policy, at=at, cost=cost)
+            res["tables"][cost].append(row)
     return res
 
 
 # ---- the report
-def show(est, digits=4, sign="+", unit="", scale=1):
+def show(estimate, digits=4, sign="+", scale=1):
     """'value [low, high]' of an estimate (divided by scale), or 'never'."""
-    if est["value"] is None:
+    if estimate["value"] is None:
         return "never"
-    text = f"{est['value'] / scale:{sign}.{digits}f}{unit}"
-    if est["interval"] is not None:
-        low, high = (v / scale for v in est["interval"])
+    text = f"{estimate['value'] / scale:{sign}.{digits}f}"
+    if estimate["interval"] is not None:
+        low, high = (v / scale for v in estimate["interval"])
         text += f" [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
     return text
 
 
 def print_report(res):
-    print(f"\n## Allocation against uniform depth (realized engine, zero init, "
-          f"{res['windows']} windows, r_max {res['r_max']}); uniform "
-          f"r={res['mean_loops']} bar = {res['bar']:.4f}\n")
-    print("Loss minus A0's at equal loops, then at equal FLOPs per token; an "
-          "interval holding 0 is no difference.\n")
-    keys = ("A1", "A1s", "A2")
-    for table, axis, scale in (("table", "loops", 1), ("table_flops", "flops", 1e6)):
+    print(f"\n## Allocation against uniform depth ({res['windows']} windows, zero init, r_max {res['r_max']}); "
+          f"the bar: uniform r={res['mean_loops']}, loss {res['bar']:.4f}\n")
+    print("Loss minus A0's at equal loops, then at equal FLOPs per token; an interval holding 0 is no difference.\n")
+    exits = ("A1", "A1s", "A2")
+    for cost, scale in (("loops", 1), ("flops", 1e6)):
         rows = []
-        for row in res[table]:
-            a0 = "-" if row["A0"] is None else f"{row['A0']:.4f}"
-            deltas = ["-" if row[k]["value"] is None else show(row[k]) for k in keys]
-            rows.append([f"{row['cost'] / scale:.4g}", a0] + deltas)
-        bar = [show(res["at_bar"][k][axis], 2, "", scale=scale) for k in ("A0",) + keys]
-        rows.append(["reaches the bar at"] + bar)
-        saved = [show(res["at_bar"][k][axis + "_saved"], 3) for k in keys]
-        rows.append(["saved at the bar", ""] + saved)
-        header = "avg loops" if axis == "loops" else "MFLOP/token"
-        names = [f"{POLICIES[k]} - A0" for k in keys]
-        print(markdown([header, "A0 loss"] + names, rows) + "\n")
-    print(f"A2 probe: held-out accuracy {res['probe']['accuracy']:.3f} "
-          f"(majority class {res['probe']['majority']:.3f}).")
-
-
-def allocation_figure(res, out_dir):
-    """Every policy's (average loops, loss) curve and the uniform-mean bar."""
-    fig, ax = pyplot().subplots(figsize=(6.5, 4.4))
-    for key, points in res["curves"].items():
-        depth, loss = zip(*sorted((p["avg_depth"], p["loss"]) for p in points))
-        ax.plot(depth, loss, "o-" if key == "A0" else ".-", label=POLICIES[key])
-    ax.axhline(res["bar"], color="k", linestyle=":", label=f"uniform r={res['mean_loops']}")
-    ax.set(xlabel="average loops per token", ylabel="loss (nats)", title="Allocation")
-    ax.legend()
-    save(fig, out_dir, "allocate.png")
+        for row in res["tables"][cost]:
+            uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"
+            deltas = ["-" if row[p]["value"] is None else show(row[p]) for p in exits]
+            rows.append([f"{row['cost'] / scale:.4g}", uniform] + deltas)
+        rows.append(["reaches the bar at"] + [show(res["at_bar"][p][cost], 2, "", scale) for p in POLICIES])
+        rows.append(["saved at the bar", ""] + [show(res["at_bar"][p][f"{cost}_saved"], 3) for p in exits])
+        header = "avg loops" if cost == "loops" else "MFLOP/token"
+        print(markdown([header, "A0 loss"] + [f"{POLICIES[p]} - A0" for p in exits], rows) + "\n")
+    probe = res["probe"]
+    print(f"A2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
 
 
 def main(argv=()):
-    C, _ = configure(globals(), RULES, list(argv))
+    C, _ = configure([globals()], argv)
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(ckpt_path, C.device)
-    if not os.access(C.out_dir, os.W_OK):  # before minutes of sweeps
-        die(f"--out_dir={C.out_dir} is not writable")
+    if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
+        raise UserError(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
-    r_max = C.r_max or R_MAX_PER_MEAN * mean
+    r_max = C.r_max or model.config.max_loops
     if r_max < max(MIN_EXIT_LOOP, mean):
-        die(f"--r_max {r_max}: need at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
+        raise UserError(f"--r_max={r_max}: needs at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
     length = model.config.block_size + 1
-    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed).to(C.device)
-    twins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
-    print(f"{ckpt_path}: iter {ckpt['iter_num']}, mean_loops {mean}, r_max {r_max}; "
-          f"{C.windows} val and {C.train_windows} train windows; {C.device} {C.dtype}")
-    t_start = time.perf_counter()
+    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
+    train_wins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
+    print(f"{ckpt_path}: {checkpoint_id(ckpt)}, mean_loops {mean}, r_max {r_max}; {C.windows} val and "
+          f"{C.train_windows} train windows; {C.device} {C.dtype}")
+    started = time.perf_counter()
     with autocast(C.device, C.dtype):
-        probe, probe_info, grids = fit_router(model, twins.to(C.device), C, r_max)
-        pw, thresholds = sweep(model, wins[:, :-1], wins[:, 1:].contiguous(), C, r_max, grids, probe)
-    curves = {}
-    for key, points in ({"A0": list(range(1, r_max + 1))} | thresholds).items():
-        costs = zip(points, curve(pw, key), pw[key][2].mean(1))
-        curves[key] = [{"threshold": t, "avg_depth": d, "flops": f, "loss": loss}
-                       for t, (d, loss), f in costs]
+        probe, grids, probe_info = fit_router(model, train_wins.to(C.device), C, r_max)
+        traced = exit_scores(model, wins.to(C.device), C, r_max, probe)
+    tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
+    per_window, settings = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": {"path": ckpt_path, "id": checkpoint_id(ckpt)},
-           "mean_loops": mean, "r_max": r_max, "windows": C.windows,
-           "probe": probe_info, "curves": curves} | summarize(pw, C, mean)
+           "mean_loops": mean, "r_max": r_max, "windows": C.windows, "probe": probe_info}
+    res |= summarize(per_window, C, mean)
+    res["curves"] = {}
+    for policy, points in settings.items():
+        res["curves"][policy] = []
+        for i, setting in enumerate(points):  # A0's depth r, or an exit's threshold
+            point = {"threshold": setting}
+            for measure in ("loops", "flops", "loss"):
+                point[measure] = per_window[policy, measure][i].mean()
+            res["curves"][policy].append(point)
     print_report(res)
-    res["per_window"] = {k: [a.tolist() for a in arrays] for k, arrays in pw.items()}
-    res["seconds"] = time.perf_counter() - t_start
+    res["per_window"] = {f"{policy} {measure}": array.tolist() for (policy, measure), array in per_window.items()}
+    res["seconds"] = time.perf_counter() - started
     save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
-    if C.plot:
-        allocation_figure(res, C.out_dir)
     print(f"\nwrote {C.out_dir}/allocate.json in {res['seconds']:.0f}s")
     return res
 

@@ -1,79 +1,125 @@
-"""nanoGPT's configurator without exec-ing the command line. Settings are a
-script's globals, each with a rule in its RULES: (low, high) a number in that
-range, a tuple of strings a choice, str any non-empty text, bool. A config
-file overrides them, then --key=value or --key value (a bare --flag is True);
---help lists them. Bad input: one line, exit 2."""
+"""Settings for every script, nanoGPT's way without exec-ing the command line.
+
+A script's settings are its top-level `name = default  # what it does` lines. A config file
+(Python, run as such) overrides them, then `--key=value` or `--key value` does; a bare `--flag`
+is True. A value keeps its default's type (an int is accepted for a float). A number must be
+finite and at least 0, unless the script's RULES give it a range; RULES also hold the choices
+of text settings. `--help` prints each setting with its default and comment.
+
+Bad input anywhere in the project raises UserError; `run` prints it as one line and exits 2.
+"""
 import ast
-import re
+import math
 import sys
+import tokenize
 import traceback
 from types import SimpleNamespace
 
 
-def die(msg):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+class UserError(Exception):
+    """Input the project refuses (a setting, a file, a checkpoint): one line for the user."""
+
+
+def read_settings(script):
+    """{name: (default, comment)} of a script's top-level `name = default  # comment` lines."""
+    path = script["__file__"]
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    with open(path, encoding="utf-8") as f:
+        tokens = list(tokenize.generate_tokens(f.readline))
+    comment_on_line = {t.start[0]: t.string.lstrip("# ") for t in tokens if t.type == tokenize.COMMENT}
+    settings = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            if name.islower():
+                settings[name] = (script[name], comment_on_line.get(node.lineno, ""))
+    return settings
 
 
 def check(key, value, default, rule):
-    value = float(value) if isinstance(default, float) and type(value) is int else value
+    """value, if it fits the default's type and the rule; else UserError."""
+    if isinstance(default, float) and type(value) is int:
+        value = float(value)
     if type(value) is not type(default):
-        die(f"--{key}: expected {type(default).__name__}, got {value!r}")
-    choice = isinstance(rule, tuple) and isinstance(rule[0], str)
-    if choice and value not in rule:
-        die(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
-    if isinstance(rule, tuple) and not choice and not rule[0] <= value <= rule[1]:
-        die(f"--{key} must be in [{rule[0]}, {rule[1]}], got {value!r}")
-    if rule is str and not value.strip():
-        die(f"--{key} must not be empty")
+        raise UserError(f"--{key}: expected {type(default).__name__}, got {value!r}")
+    if isinstance(value, str):
+        if not value.strip():
+            raise UserError(f"--{key} must not be empty")
+        if rule is not None and value not in rule:
+            raise UserError(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
+    elif not isinstance(value, bool):
+        low, high = rule or (0, math.inf)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise UserError(f"--{key} must be a finite number in [{low}, {high}], got {value!r}")
     return value
 
 
 def read_config_file(path):
+    """The settings a config file assigns (its own imports and _private names left out)."""
     scope = {}
     try:
-        exec(compile(open(path, encoding="utf-8").read(), path, "exec"), scope)
-    except (Exception, SystemExit) as err:  # user code raises anything: say where
-        lines = [f.lineno for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
-        line = getattr(err, "lineno", None) or (lines or ["?"])[-1]
-        die(f"{path}:{line}: {type(err).__name__}: {err}")
-    return {k: v for k, v in scope.items() if k[0] != "_" and type(v).__name__ != "module"}
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), scope)
+    except (Exception, SystemExit) as err:  # a user's file may raise anything: say where
+        frames = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == path]
+        line = getattr(err, "lineno", None) or (frames[-1] if frames else "?")
+        raise UserError(f"{path}:{line}: {type(err).__name__}: {err}") from None
+    return {k: v for k, v in scope.items() if not k.startswith("_") and type(v).__name__ != "module"}
 
 
-def configure(script, rules, argv):
-    """-> (settings namespace, the keys a config file or the command line set)."""
-    defaults = {key: script[key] for key in rules}
-    if "--help" in argv:  # the docstring, each setting's default and comment
-        print(script["__doc__"].strip() + "\n\nsettings (--key=value):")
-        comments = dict(re.findall(r"^(\w+) = .*?# (.*)$", open(script["__file__"]).read(), re.M))
-        for key, value in defaults.items():
-            print(f"  --{key}={value!r:<18} {comments.get(key, '')}")
-        sys.exit(0)
-    given, args = {}, list(argv)
+def parse_argv(argv, defaults):
+    """Config files and --key=value pairs, in order, -> {key: value}."""
+    given = {}
+    args = list(argv)
     while args:
         arg = args.pop(0)
-        key, eq, text = arg[2:].partition("=")
         if not arg.startswith("--"):
             given |= read_config_file(arg)
             continue
-        if not eq:  # --key value, or a bare --flag for True
-            text = True if not args or args[0].startswith("--") else args.pop(0)
+        key, has_value, text = arg[2:].partition("=")
+        if not has_value:  # `--key value`, or a bare `--flag`: True
+            next_is_a_value = args and not args[0].startswith("--")
+            text = args.pop(0) if next_is_a_value else True
+        if isinstance(defaults.get(key), str) or text is True:
+            given[key] = text
+            continue
         try:
-            given[key] = text if isinstance(defaults.get(key), str) else ast.literal_eval(str(text))
+            given[key] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            die(f"--{key}: cannot parse {text!r}")
+            raise UserError(f"--{key}: cannot parse {text!r}") from None
+    return given
+
+
+def configure(scripts, argv):
+    """Settings of one or more scripts' globals after argv -> (namespace, the keys argv set)."""
+    settings, rules = {}, {}
+    for script in scripts:
+        settings |= read_settings(script)
+        rules |= script.get("RULES", {})
+    defaults = {key: default for key, (default, _) in settings.items()}
+    if "--help" in argv:
+        print(scripts[-1]["__doc__"].strip() + "\n\nsettings (--key=value):")
+        for key, (default, comment) in settings.items():
+            print(f"  --{key}={default!r:<20} {comment}")
+        sys.exit(0)
+    given = parse_argv(argv, defaults)
     for key, value in given.items():
-        if key not in rules:
-            die(f"unknown setting {key!r} (see --help)")
-        given[key] = check(key, value, defaults[key], rules[key])
+        if key not in defaults:
+            raise UserError(f"unknown setting {key!r} (see --help)")
+        given[key] = check(key, value, defaults[key], rules.get(key))
     return SimpleNamespace(**(defaults | given)), set(given)
 
 
 def run(main):
-    """A script's entry point: Ctrl-C is one line and exit 130, not a traceback."""
+    """A script's entry point: bad input is one line and exit 2, Ctrl-C one line and exit 130."""
     try:
         main(sys.argv[1:])
-    except (KeyboardInterrupt, RuntimeError) as err:  # torch.save's writer wraps a Ctrl-C
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (KeyboardInterrupt, RuntimeError) as err:
+        # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it
         if KeyboardInterrupt not in (type(err), type(err.__context__)):
             raise
         print("interrupted", file=sys.stderr)

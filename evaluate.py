@@ -1,69 +1,77 @@
-"""A checkpoint on its validation split: elasticity, cost curve, convergence,
-depth by token class. Tables, out_dir/eval.json, --plot figures.
+"""A checkpoint on its validation split: how its loss and its tokens depend on the depth.
 
-    python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8 --plot
-    python evaluate.py --versus=out-shakespeare-fixed  # the control beside it
+One pass over the windows, loop by loop from the initial noise of training (`trace`), gives the sweep
+(the loss at each loop count), the saturation depth read from it, the convergence pass (per loop:
+successive KL, state change, tokens still moving) and depth by token class; tokens/s at batch 1 are
+timed apart. Tables, and every number in out_dir/eval.json.
+
+    python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8
 """
-import importlib
-import json
+import functools
 import math
 import os
 import time
 import unicodedata
+from collections import defaultdict
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from configurator import configure, die, run
-from model import autocast, checkpoint_id, load_checkpoint, state_change, token_kl, token_loss, save_atomic
-from prepare import load_tokenizer, open_dataset
+from configurator import UserError, configure, run
+from model import autocast, checkpoint_id, load_checkpoint, save_atomic, state_change, token_kl, token_loss
+from prepare import bits_per_byte, load_tokenizer, open_dataset
 
-out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json and figures
-loops = ""  # loop counts, e.g. "1,2,4,8"; "": 1, 2, mean/2, mean, 2x, 4x mean
+out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
+loops = ""  # the sweep, e.g. "1,2,4,8" (1 and mean_loops always in it); "": 1, 2, mean/2, mean, 2x, 4x mean
+diag_loops = 0  # loops of the convergence table and the token classes; 0: 2 x mean_loops
 windows = 64  # validation windows of block_size + 1 tokens
 batch_size = 8  # windows per forward
-diag_loops = 0  # loops of the convergence pass; 0: 2 x mean_loops
-diag_init = "noise"  # its initial state: 'noise' (as in training) or 'zero'
-exit_threshold = 1e-3  # the convergence exit: KL(p_i || p_{i-1}) below this
+saturation_tolerance = 0.01  # nats above the best depth's loss that the saturation depth may lose
+bootstrap = 1000  # paired resamples of the windows for the saturation intervals
 timing_windows = 4  # batch-1 forwards timed per loop count
-seed = 1337  # picks the windows and the noise
-versus = ""  # a fixed-depth control's out_dir: its curve beside ours
-plot = False  # draw the figures (needs matplotlib)
+seed = 1337  # picks the windows, the initial noise and the resamples
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
-dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast
-RULES = dict(
-    out_dir=str, loops=str, windows=(1, 2 ** 20), batch_size=(1, 2 ** 16), diag_loops=(0, 4096),
-    diag_init=("noise", "zero"), exit_threshold=(1e-12, 100.0), timing_windows=(1, 4096),
-    seed=(0, 2 ** 63 - 1), versus=str, plot=bool, device=str, dtype=("float32", "bfloat16"))
-MOVING_KL = 1e-3  # the paper's "still moving" line, fixed to compare runs
+dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail (~1e-5), where it is read
+RULES = {
+    "windows": (1, math.inf),
+    "batch_size": (1, math.inf),
+    "bootstrap": (10, math.inf),
+    "timing_windows": (1, math.inf),
+    "seed": (0, 2 ** 63 - 1),  # what torch.Generator takes
+    "dtype": ("float32", "bfloat16"),
+}
+MOVING_KL = 1e-3  # the paper's "still moving" line and its token classes' exit, fixed so that runs compare
 CLASSES = ("space", "numeral", "punctuation", "word")
 
 
 def loop_counts(text, mean):
-    """The sweep, sorted, always with mean_loops (the throughput reference)."""
-    if not text:
+    """The sweep, sorted; always r=1 (the useful range starts there) and mean_loops (the speed reference)."""
+    if not text:  # out to 4 x mean_loops: the saturation depth is read over r <= 4 x mean
         return sorted({1, 2, max(1, mean // 2), mean, 2 * mean, 4 * mean})
-    parts = text.split(",")
-    if not all(p.strip().isdecimal() and 1 <= int(p) <= 1024 for p in parts):
-        die(f"--loops {text!r}: expected counts in [1, 1024], e.g. 1,2,4,8")
-    return sorted({int(p) for p in parts} | {mean})
+    counts = {1, mean}
+    for part in text.split(","):
+        if not (part.strip().isdecimal() and 1 <= int(part) <= 1024):
+            raise UserError(f"--loops {text!r}: expected counts in [1, 1024], e.g. 1,2,4,8")
+        counts.add(int(part))
+    return sorted(counts)
 
 
 def load_windows(path, bin_dtype, n, length, seed):
-    """n windows of `length` tokens at seeded offsets -> (n, length) int64."""
+    """n of the split's non-overlapping windows of `length` tokens, picked by seed -> (n, length) int64."""
     data = np.memmap(path, dtype=bin_dtype, mode="r")
     slots = len(data) // length
     if not 1 <= n <= slots:
-        die(f"{n} windows of {length} tokens asked for: {path} holds 1 to {slots}")
+        raise UserError(f"{n} windows of {length} tokens asked for: {path} holds 1 to {slots}")
+    # whole slots of the split, so that no token is in two windows (the bootstrap's units)
     order = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))
-    starts = order[:n].sort().values * length
-    rows = np.stack([data[i:i + length] for i in starts.tolist()])
-    return torch.from_numpy(rows.astype(np.int64))
+    picked = order[:n].sort().values.numpy()
+    grid = data[:slots * length].reshape(slots, length)  # a view: only the picked rows are read
+    return torch.from_numpy(grid[picked].astype(np.int64))
 
 
 def token_class(text):
-    """Byte-level BPE glues spaces on (' ('); part of a character (U+FFFD): a word."""
+    """Byte-level BPE glues spaces on (' ('); part of a character (U+FFFD) counts as a word."""
     if text.isspace():
         return "space"
     if any(ch.isdigit() for ch in text):
@@ -74,141 +82,218 @@ def token_class(text):
     return "word"
 
 
-def batches(wins, size, desc):
-    for i in tqdm(range(0, len(wins), size), desc=desc, leave=False):
-        yield wins[i:i + size, :-1], wins[i:i + size, 1:].contiguous()
-
-
-@torch.no_grad()
-def sweep_point(model, wins, r, C):
-    """Loss at r loops as train.py has it (noise init); tokens/s at batch 1."""
-    gen = torch.Generator(device=C.device).manual_seed(C.seed)
-    sync = torch.cuda.synchronize if C.device.startswith("cuda") else lambda: None
-    timed = wins[:C.timing_windows, :-1]
-    with autocast(C.device, C.dtype):
-        total = sum(model(x, y, loops=r, generator=gen)[1].item() * y.numel()
-                    for x, y in batches(wins, C.batch_size, f"loss r={r}"))
-        model(timed[:1], loops=r)  # warm-up
-        sync()
-        t0 = time.perf_counter()
-        for x in timed:
-            model(x[None], loops=r)
-        sync()
-    speed = timed.numel() / (time.perf_counter() - t0)
-    loss = total / wins[:, 1:].numel()
-    return dict(loops=r, loss=loss, ppl=math.exp(loss), tokens_per_s=speed)
-
-
 @torch.no_grad()
 def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
-    """x (B, T) -> per loop (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (loop 1: inf),
-    dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, state = s_i if kept."""
+    """x, y (B, T) -> per loop, each (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (loop 1: inf),
+    dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, and state = s_i if kept."""
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
     logits = None
-    rows = dict(loss=[], kl=[], dstate=[], dstate_rel=[], argmax=[], state=[])
-    first = torch.full(y.shape, math.inf, device=y.device)
+    out = defaultdict(list)
     for _ in range(n_loops):
-        s_old, s = s, model.core_step(e, s)
-        prev, logits = logits, model.readout(s)
-        rows["loss"].append(token_loss(logits, y))
-        rows["kl"].append(first if prev is None else token_kl(logits, prev))
-        rows["dstate"].append(state_change(s, s_old))
-        rows["dstate_rel"].append(state_change(s, s_old, relative=True))
-        rows["argmax"].append(logits.argmax(-1))
+        s_old = s
+        s = model.core_step(e, s)
+        previous = logits
+        logits = model.readout(s)
+        out["loss"].append(token_loss(logits, y))
+        if previous is None:  # loop 1 has nothing to compare with: never "converged"
+            out["kl"].append(torch.full(y.shape, math.inf, device=y.device))
+        else:  # the new distribution first, as the exit test reads it
+            out["kl"].append(token_kl(logits, previous))
+        out["dstate"].append(state_change(s, s_old))
+        out["dstate_rel"].append(state_change(s, s_old, relative=True))
+        out["argmax"].append(logits.argmax(-1))
         if keep_states:
-            rows["state"].append(s)
-    return {k: torch.stack(v) for k, v in rows.items() if v}
+            out["state"].append(s)
+    return {key: torch.stack(values) for key, values in out.items()}
+
+
+def trace_windows(model, wins, n_loops, C):
+    """trace from noise over every window (n, T + 1) -> loss, kl, dstate, each (n_loops, n, T) on
+    the CPU. Its loss at loop r is model.forward's at r loops: the same noise, the same steps."""
+    # one generator, drawn batch after batch: as model.forward's calls over these batches would draw it
+    generator = torch.Generator(device=C.device).manual_seed(C.seed)
+    parts = defaultdict(list)
+    for batch in tqdm(wins.split(C.batch_size), desc=f"{n_loops} loops", leave=False):
+        x = batch[:, :-1]
+        y = batch[:, 1:]
+        with autocast(C.device, C.dtype):
+            traced = trace(model, x, y, n_loops, "noise", generator)
+        for key in ("loss", "kl", "dstate"):
+            parts[key].append(traced[key].cpu())
+    return {key: torch.cat(values, 1) for key, values in parts.items()}
+
+
+@torch.no_grad()
+def tokens_per_second(model, wins, r, C):
+    """Forwards of one window at a time at r loops: the speed a single request sees."""
+    # timed apart from the pass, whose readout at every loop a plain forward does not pay
+    timed = wins[:C.timing_windows, :-1]
+    with autocast(C.device, C.dtype):
+        model(timed[:1], loops=r)  # a warm-up: allocations and kernel choices are not timed
+        synchronize(C.device)
+        started = time.perf_counter()
+        for x in timed:
+            model(x[None], loops=r)
+        synchronize(C.device)
+    return timed.numel() / (time.perf_counter() - started)
+
+
+def synchronize(device):
+    """Wait for the GPU's queued work, so that the timer measures it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def sweep(per_window, speed, mean, meta):
+    """The elasticity sweep / cost curve: a row per loop count r of {r: per-window losses}."""
+    rows = []
+    for r, losses in per_window.items():
+        loss = losses.mean()
+        row = {"loops": r, "loss": loss, "ppl": math.exp(loss), "tokens_per_s": speed[r]}
+        # against mean_loops, the depth the model was trained around: > 1 is faster
+        row["relative_throughput"] = speed[r] / speed[mean]
+        bits = bits_per_byte(loss, meta)
+        if math.isfinite(bits):  # the split's bytes are known: per byte, losses compare across tokenizers
+            row["bits_per_byte"] = bits
+        rows.append(row)
+    return rows
+
+
+def saturation_depth(per_window, tolerance):
+    """{r: per-window losses} -> the least r whose mean loss is within tolerance of the best r's."""
+    mean_loss = {r: losses.mean() for r, losses in per_window.items()}
+    best = min(mean_loss.values())
+    # not the best r itself: past saturation the curve is flat, and noise decides where its minimum falls
+    return min(r for r, loss in mean_loss.items() if loss <= best + tolerance)
+
+
+def useful_range(per_window, tolerance):
+    """The loss gained from r=1 to the saturation depth (nats)."""
+    depth = saturation_depth(per_window, tolerance)
+    return per_window[1].mean() - per_window[depth].mean()
+
+
+def paired_bootstrap(stat, per_window, n_resamples, seed):
+    """stat({name: array (..., windows)}) -> float or None, with its 95% interval over resamples of
+    the windows -> {"value": float | None, "interval": [low, high] | None}. No interval where there
+    is no value, or where stat is undefined in more than 5% of the resamples."""
+    value = stat(per_window)
+    n_windows = next(iter(per_window.values())).shape[-1]
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n_resamples):
+        # the same windows for every array: what two depths (or policies) share cancels out
+        pick = rng.integers(0, n_windows, n_windows)
+        resampled = {name: array[..., pick] for name, array in per_window.items()}
+        values.append(stat(resampled))
+    defined = [v for v in values if v is not None]
+    if value is None or len(defined) < 0.95 * n_resamples:
+        return {"value": None if value is None else float(value), "interval": None}
+    # percentiles interpolate between resampled values: a depth's interval may end between depths
+    low, high = np.percentile(defined, [2.5, 97.5])
+    return {"value": float(value), "interval": [float(low), float(high)]}
+
+
+def saturation(per_window, mean, C):
+    """Issue 31's definition, fixed before any run: over the swept r <= 4 x mean_loops, the
+    saturation depth and the useful range, with paired bootstrap intervals."""
+    swept = {r: losses for r, losses in per_window.items() if r <= 4 * mean}
+    depth = functools.partial(saturation_depth, tolerance=C.saturation_tolerance)
+    gain = functools.partial(useful_range, tolerance=C.saturation_tolerance)
+    found = {"tolerance": C.saturation_tolerance, "max_depth": 4 * mean}
+    found["depth"] = paired_bootstrap(depth, swept, C.bootstrap, C.seed)
+    found["useful_range"] = paired_bootstrap(gain, swept, C.bootstrap, C.seed)
+    found["loss_at_depth"] = swept[depth(swept)].mean()
+    return found
 
 
 def convergence_depth(kl, threshold=MOVING_KL):
-    """Per token (kl row j: loop j + 2): the loop after which KL <= threshold."""
+    """kl (loops 2..n, tokens) -> per token the loop after which its KL stays <= threshold:
+    1 if it never moved, n + 1 if it still moves at loop n."""
     n_loops = kl.size(0) + 1
-    last_moving = torch.where(kl > threshold, torch.arange(2, n_loops + 1)[:, None], 0).amax(0)
+    loop = torch.arange(2, n_loops + 1)[:, None]
+    # the last loop that moved, not the first that did not: a token may settle, then move again
+    last_moving = torch.where(kl > threshold, loop, 0).amax(0)
     return torch.where(last_moving == n_loops, n_loops + 1, last_moving.clamp_min(1))
 
 
 def exit_depth(kl, threshold):
-    """The convergence exit: the first loop with KL < threshold, else the last."""
+    """kl (loops 2..n, tokens) -> the first loop with KL < threshold, else n (a forced exit)."""
     below = kl < threshold
-    return torch.where(below.any(0), below.int().argmax(0) + 2, kl.size(0) + 1)
+    first_below = below.int().argmax(0) + 2  # argmax finds the first True
+    return torch.where(below.any(0), first_below, kl.size(0) + 1)
+
+
+def convergence(kl, dstate, loss, mean):
+    """kl, dstate, loss (loops 2..n, tokens) -> a row per loop: mean KL, mean state change, % of
+    tokens still moving, loss; the median convergence depth and the % still moving at mean_loops."""
+    moving = 100 * (kl > MOVING_KL).double().mean(1)
+    rows = []
+    for i in range(len(kl)):
+        row = {"loop": i + 2, "mean_kl": kl[i].mean().item()}
+        row["mean_state_change"] = dstate[i].mean().item()
+        row["percent_moving"] = moving[i].item()
+        row["loss"] = loss[i].mean().item()
+        rows.append(row)
+    cv = {"rows": rows, "median_depth": np.median(convergence_depth(kl))}
+    if mean >= 2:  # at loop 1 there is no KL yet, nothing to call moving
+        cv["percent_moving_at_mean"] = moving[mean - 2].item()
+    return cv
+
+
+def token_classes(kl, targets, decode):
+    """Mean exit depth (the first loop with KL < MOVING_KL) by the class of the target token:
+    the token the model predicts at that position, not the one it reads (issue 32 asks which)."""
+    exits = exit_depth(kl, MOVING_KL).double().numpy()
+    class_of_id = {i: token_class(decode([i])) for i in set(targets)}
+    classes = np.array([class_of_id[i] for i in targets])
+    rows = []
+    for name in CLASSES:
+        picked = exits[classes == name]
+        row = {"class": name, "count": picked.size}
+        if picked.size:  # a class these windows lack has no mean
+            row["mean_exit_depth"] = picked.mean()
+        rows.append(row)
+    every = {"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()}
+    return rows + [every]
 
 
 def markdown(headers, rows):
-    lines = [f"| {' | '.join(str(v) for v in row)} |" for row in [headers, *rows]]
-    return "\n".join([lines[0], "|" + "---|" * len(headers)] + lines[1:])
+    """A markdown table of headers and rows of cells."""
+    lines = []
+    for row in [headers, ["---"] * len(headers), *rows]:
+        cells = " | ".join(str(cell) for cell in row)
+        lines.append(f"| {cells} |")
+    return "\n".join(lines)
 
 
 def table(title, rows, columns):
-    """columns: "key:format ..." (eval.json's names); None prints nan."""
+    """Print rows under a title; columns "key:format ..." name eval.json's keys (a missing one: nan)."""
     specs = [column.partition(":")[::2] for column in columns.split()]
-    cells = [[format(math.nan if row.get(k) is None else row[k], f) for k, f in specs] for row in rows]
-    print(f"\n## {title}\n\n{markdown([k for k, _ in specs], cells)}")
+    headers = [key for key, _ in specs]
+    cells = [[format(row.get(key, math.nan), spec) for key, spec in specs] for row in rows]
+    print(f"\n## {title}\n\n{markdown(headers, cells)}")
 
 
-def elasticity(model, wins, meta, control, C):
-    """The sweep; loss per byte is comparable across tokenizers."""
-    mean = model.config.mean_loops
-    el = [sweep_point(model, wins, r, C) for r in loop_counts(C.loops, mean)]
-    ref = next(row["tokens_per_s"] for row in el if row["loops"] == mean)
-    for row in el:
-        row["relative_throughput"] = row["tokens_per_s"] / ref
-        if meta.get("val_bytes"):
-            row["loss_per_byte"] = row["loss"] * meta["val_tokens"] / meta["val_bytes"]
-            row["bits_per_byte"] = row["loss_per_byte"] / math.log(2)
-        if control:
-            row["control_loss"] = control.get(row["loops"])
-    columns = "loops loss:.4f loss_per_byte:.4f bits_per_byte:.4f ppl:.1f tokens_per_s:.0f"
-    columns += " relative_throughput:.2f" + (" control_loss:.4f" if control else "")
-    size = f"{len(wins)} windows of {wins.size(1) - 1} tokens"
-    table(f"Elasticity / cost curve (noise init, {size})", el, columns)
-    return el
-
-
-def convergence(model, wins, decode, n_diag, C):
-    """The loop-by-loop pass -> (the convergence record, depth by token class)."""
-    gen = torch.Generator(device=C.device).manual_seed(C.seed)
-    with autocast(C.device, C.dtype):
-        parts = [trace(model, x, y, n_diag, C.diag_init, gen)
-                 for x, y in batches(wins, C.batch_size, f"to {n_diag} loops")]
-    kl, change, nll = [torch.cat([p[k][1:].flatten(1) for p in parts], 1).cpu()
-                       for k in ("kl", "dstate", "loss")]
-    moving = 100 * (kl > MOVING_KL).float().mean(1)
-    rows = [dict(loop=i + 2, mean_kl=kl[i].mean().item(), mean_state_change=change[i].mean().item(),
-                 percent_moving=moving[i].item(), loss=nll[i].mean().item()) for i in range(n_diag - 1)]
-    table(f"Convergence ({C.diag_init} init, to {n_diag} loops)", rows,
-          "loop mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f")
-    depth = convergence_depth(kl)
-    median = float(np.median(depth.numpy()))
-    mean = model.config.mean_loops
-    at_mean = moving[mean - 2].item() if mean >= 2 else None
-    late = 100 * (depth > n_diag).float().mean().item()
-    at_text = "n/a" if at_mean is None else f"{at_mean:.1f}%"
-    print(f"\nconvergence depth (KL <= {MOVING_KL:g} after): median {median:g}; {at_text}"
-          f" still moving at loop {mean} (mean_loops), {late:.1f}% at loop {n_diag}")
-    cv = dict(init=C.diag_init, diag_loops=n_diag, moving_kl=MOVING_KL, rows=rows,
-              median_depth=median, percent_moving_at_mean=at_mean, percent_unconverged=late)
-    exits = exit_depth(kl, C.exit_threshold).float().numpy()
-    targets = wins[:, 1:].flatten().tolist()
-    class_of_id = {i: token_class(decode([i])) for i in set(targets)}
-    classes = np.array([class_of_id[t] for t in targets])
-    picked = {name: exits[classes == name] for name in CLASSES} | {"all": exits}
-    rows = [{"class": name, "count": p.size, "mean_exit_depth": float(p.mean()) if p.size else None}
-            for name, p in picked.items()]
-    table(f"Depth by token class (exit at KL < {C.exit_threshold:g}, {C.diag_init} init)",
-          rows, "class count mean_exit_depth:.2f")
-    return cv, dict(exit_threshold=C.exit_threshold, mean_exit_depth=float(exits.mean()), rows=rows[:-1])
+def with_interval(estimate, spec):
+    """A paired_bootstrap estimate -> e.g. '6 [4, 8]' ('[nan, nan]': no interval)."""
+    value = format(estimate["value"], spec)
+    low, high = estimate["interval"] or (math.nan, math.nan)
+    return f"{value} [{low:{spec}}, {high:{spec}}]"
 
 
 def pyplot():
+    """matplotlib.pyplot drawing to files only; UserError if it is not installed."""
     try:
-        importlib.import_module("matplotlib").use("Agg")  # files only, no display
+        __import__("matplotlib").use("Agg")
     except ImportError:
-        die("--plot needs `matplotlib`: pip install matplotlib")
-    return importlib.import_module("matplotlib.pyplot")
+        raise UserError("--plot needs `matplotlib`: pip install matplotlib") from None
+    return __import__("matplotlib.pyplot").pyplot
 
 
 def save(fig, out_dir, name):
+    """Write a figure to out_dir/name, gridded, and free it."""
     for ax in fig.axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -216,88 +301,64 @@ def save(fig, out_dir, name):
     pyplot().close(fig)
 
 
-def curve(ax, x, y, mean=None, **labels):
-    ax.plot(x, y, "o-", label=labels.pop("label", None))
-    ax.set(**labels)
-    if mean:
-        ax.axvline(mean, color="gray", linestyle="--", label=f"training mean ({mean})")
-        ax.legend()
-
-
-def figures(el, cv, tc, mean, out_dir, control):
-    loss = {row["loops"]: row["loss"] for row in el}
-    speed = [row["tokens_per_s"] for row in el]
-    fig, (ax_loss, ax_cost) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    curves = {f"randomized depth (mean {mean})": loss}
-    if control:  # --versus: the fixed-depth run beside it
-        curves[f"fixed depth r={mean} (control)"] = control
-    for label, points in curves.items():
-        x = sorted(points)
-        curve(ax_loss, x, [points[r] for r in x], mean, label=label, title="Loss vs loops (noise init)",
-              xlabel="inference loops r", ylabel="validation loss (nats)")
-    loops = sorted(set().union(*curves.values()))
-    ax_loss.set_xscale("log", base=2)
-    ax_loss.set_xticks(loops, [str(r) for r in loops])
-    curve(ax_cost, speed, list(loss.values()), xscale="log", xmargin=0.15, ymargin=0.1,
-          xlabel="tokens/s at batch 1", ylabel="validation loss (nats)", title="Per-request cost")
-    for r, x in zip(loss, speed):
-        ax_cost.annotate(f"r={r}", (x, loss[r]), textcoords="offset points", xytext=(5, 5))
-    save(fig, out_dir, "eval_loss_vs_loops.png")
-    fig, (ax_kl, ax_moving) = pyplot().subplots(1, 2, figsize=(11, 4.2))
-    loop = [row["loop"] for row in cv["rows"]]
-    curve(ax_kl, loop, [row["mean_kl"] for row in cv["rows"]], mean, yscale="log", xlabel="loop i",
-          ylabel=r"mean KL($p_i \,\|\, p_{i-1}$) (log)", title=f"Successive-output KL ({cv['init']} init)")
-    curve(ax_moving, loop, [row["percent_moving"] for row in cv["rows"]], mean, xlabel="loop i",
-          ylim=(0, 101), ylabel=f"percent of tokens with KL > {cv['moving_kl']:g}",
-          title=f"Tokens still moving (median depth {cv['median_depth']:g})")
-    save(fig, out_dir, "eval_convergence.png")
-    fig, ax = pyplot().subplots(figsize=(5.5, 4.2))
-    rows = [row for row in tc["rows"] if row["mean_exit_depth"] is not None]
-    names = [f"{row['class']}\n(n={row['count']})" for row in rows]
-    ax.bar_label(ax.bar(names, [row["mean_exit_depth"] for row in rows]), fmt="%.2f")
-    ax.set(ymargin=0.15, ylabel="mean exit depth (loops)",
-           title=f"Depth by token class (exit at KL < {tc['exit_threshold']:g})")
-    save(fig, out_dir, "eval_token_classes.png")
-
-
 def main(argv=()):
-    t_start = time.perf_counter()
-    C, _ = configure(globals(), RULES, list(argv))
-    control = None
-    if C.versus:
-        theirs = os.path.join(C.versus, "eval.json")
-        try:
-            with open(theirs) as f:
-                control = {row["loops"]: float(row["loss"]) for row in json.load(f)["elasticity"]}
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            die(f"--versus: cannot read {theirs} ({type(err).__name__})")
-    if C.plot:
-        pyplot()
+    started = time.perf_counter()
+    C, _ = configure([globals()], list(argv))
+    # 1) the checkpoint and its windows; every refusal comes before the work
     path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(path, C.device)
     result = os.path.join(C.out_dir, "eval.json")
-    if os.path.isdir(result) or not os.access(C.out_dir, os.W_OK):
-        die(f"cannot write {result}")
+    # save_atomic writes eval.json.tmp in out_dir, then renames it over eval.json
+    in_the_way = os.path.isdir(result) or os.path.isdir(f"{result}.tmp")
+    if in_the_way or not os.access(C.out_dir, os.W_OK):
+        raise UserError(f"cannot write {result}")
     mean = model.config.mean_loops
+    swept = loop_counts(C.loops, mean)
     n_diag = C.diag_loops or 2 * mean
     if n_diag < max(2, mean):
-        die(f"--diag_loops {n_diag}: needs at least 2 and mean_loops ({mean})")
+        raise UserError(f"--diag_loops {n_diag}: needs at least 2 and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=("val",))
-    val = os.path.join(data_dir, "val.bin")
-    wins = load_windows(val, meta["dtype"], C.windows, model.config.block_size + 1, C.seed).to(C.device)
     _, decode = load_tokenizer(data_dir)
-    print(f"{path}: {checkpoint_id(ckpt)}, {model.get_num_params() / 1e6:.2f}M non-embedding params,"
-          f" mean_loops {mean}; {C.device} {C.dtype}")
-    el = elasticity(model, wins, meta, control, C)
-    cv, tc = convergence(model, wins, decode, n_diag, C)
-    checkpoint = dict(path=path, id=checkpoint_id(ckpt), iter_num=ckpt["iter_num"],
-                      dataset=ckpt["config"]["dataset"], mean_loops=mean, max_loops=model.config.max_loops)
-    res = dict(args=vars(C), checkpoint=checkpoint, block_size=model.config.block_size,
-               elasticity=el, convergence=cv, token_classes=tc, seconds=time.perf_counter() - t_start)
+    length = model.config.block_size + 1
+    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
+    wins = wins.to(C.device)
+    print(f"{path}: {checkpoint_id(ckpt)}, mean_loops {mean}, {C.dtype}")
+    # 2) one pass, as deep as the sweep and the convergence table both need
+    traced = trace_windows(model, wins, max(swept + [n_diag]), C)
+
+    # 3) the sweep, and the saturation depth read from it
+    # each window's loss at each swept r: what the bootstrap resamples, the same windows at every r
+    window_loss = traced["loss"].double().mean(2).numpy()  # (loops, windows)
+    per_window = {r: window_loss[r - 1] for r in swept}
+    speed = {r: tokens_per_second(model, wins, r, C) for r in swept}
+    el = sweep(per_window, speed, mean, meta)
+    columns = "loops loss:.4f bits_per_byte:.4f ppl:.1f tokens_per_s:.0f relative_throughput:.2f"
+    table(f"Elasticity / cost curve (noise init, {len(wins)} windows)", el, columns)
+    sat = saturation(per_window, mean, C)
+    depth = with_interval(sat["depth"], "g")
+    gain = with_interval(sat["useful_range"], ".4f")
+    print(f"\nsaturation depth {depth}: the least r within {C.saturation_tolerance:g} nats of the best r <= "
+          f"{4 * mean}; useful range {gain} nats, from r=1 to it (95% paired bootstrap intervals)")
+
+    # 4) the convergence pass and depth by token class, from loop 2 (loop 1 has no successive KL)
+    kl = traced["kl"][1:n_diag].flatten(1)  # (loops, windows x T): every token of every window
+    dstate = traced["dstate"][1:n_diag].flatten(1)
+    loss = traced["loss"][1:n_diag].flatten(1)
+    cv = convergence(kl, dstate, loss, mean)
+    columns = "loop mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f"
+    table(f"Convergence (a token moves while its KL > {MOVING_KL:g})", cv["rows"], columns)
+    columns = "median_depth:g percent_moving_at_mean:.1f"
+    table(f"Convergence depth (the loop after which it stays still; mean_loops {mean})", [cv], columns)
+    targets = wins[:, 1:].flatten().tolist()
+    tc = token_classes(kl, targets, decode)
+    table(f"Depth by token class (exit at KL < {MOVING_KL:g})", tc, "class count mean_exit_depth:.2f")
+
+    # 5) every number above, in eval.json
+    res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"]}
+    res |= {"mean_loops": mean, "elasticity": el, "saturation": sat, "convergence": cv, "token_classes": tc}
+    res["seconds"] = time.perf_counter() - started
     save_atomic(result, res)
-    if C.plot:
-        figures(el, cv, tc, mean, C.out_dir, control)
-    print(f"\nwrote {result} in {res['seconds']:.1f}s")
+    print(f"\nwrote {result}")
     return res
 
 

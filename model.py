@@ -5,30 +5,30 @@
     s_i = core(adapter([e, s_{i-1}]))       input re-injection, Linear(2d -> d)
     p   = softmax(head(norm(coda(s_r))))    unique blocks, tied embedding head
 
-Llama-style blocks; the core's add sandwich norms, so that the state neither
-collapses nor blows up over many loops.
+Llama-style blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases); the core's
+blocks add sandwich norms, so that the state neither collapses nor blows up over many loops.
+
+Every loop in the project is built from four verbs: prelude, init_state, core_step, readout.
 """
 import json
 import math
 import os
 import pickle
 from dataclasses import dataclass, fields
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from configurator import die
+from configurator import UserError
 
 CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
-LOGITS_CHUNK = 2 ** 27  # logits per loss chunk: 512 MB in float32
 CKPT_KEYS = {"model_args": dict, "model": dict, "optimizer": dict, "iter_num": int,
              "best_val_loss": float, "config": dict, "rng": dict}  # what train.py saves
-MIN_EXIT_LOOP = 2  # an exit compares two loops: none before loop 2
-R_MAX_PER_MEAN = 2  # unless told, exits stop by loop 2 x mean_loops
+LOGITS_CHUNK = 2 ** 27  # logits per loss chunk: 512 MB in float32
+MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before loop 2
 
 
 @dataclass
@@ -50,29 +50,23 @@ class GPTConfig:
     state_std: float = math.sqrt(2 / 5)
 
     def __post_init__(self):
-        """Rules for any model, from a script or a checkpoint: ValueError."""
-        zero_ok = ("n_prelude", "n_core", "n_coda", "state_std")  # bench's dense twin
-        for f in fields(self):
-            v = getattr(self, f.name)
-            ok = isinstance(v, f.type) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or v < 0 or (v == 0 and f.name not in zero_ok):
-                raise ValueError(f"{f.name}={v!r}: must be a positive {f.type.__name__}")
+        """Refuse a shape no model can have (from a script or a checkpoint): UserError."""
+        may_be_zero = ("n_prelude", "n_coda", "state_std")  # no prelude or coda; a zero initial state
+        for field in fields(self):
+            value = getattr(self, field.name)
+            right_type = isinstance(value, field.type) and not isinstance(value, bool)
+            if not right_type or not math.isfinite(value) or value < 0:
+                raise UserError(f"{field.name}={value!r}: must be a finite {field.type.__name__} >= 0")
+            if value == 0 and field.name not in may_be_zero:
+                raise UserError(f"{field.name}={value!r}: must be positive")
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
-            raise ValueError(f"n_head={self.n_head} must divide n_embd={self.n_embd}, "
-                             f"n_kv_head={self.n_kv_head} must divide n_head")
-        head = self.n_embd // self.n_head
-        if head % 2:  # RoPE rotates pairs of channels
-            raise ValueError(f"the head size n_embd / n_head = {head} must be even")
+            raise UserError(f"n_head={self.n_head} must divide n_embd={self.n_embd}, "
+                            f"and n_kv_head={self.n_kv_head} must divide n_head")
+        head_dim = self.n_embd // self.n_head
+        if head_dim % 2:  # RoPE rotates pairs of channels
+            raise UserError(f"the head size n_embd / n_head = {head_dim} must be even")
         if self.mean_loops > self.max_loops:
-            raise ValueError(f"mean_loops={self.mean_loops} > max_loops={self.max_loops}")
-
-
-def config_or_die(**args):
-    """GPTConfig(**args), or the rule it breaks as one line and exit 2."""
-    try:
-        return GPTConfig(**args)
-    except ValueError as err:
-        die(str(err))
+            raise UserError(f"mean_loops={self.mean_loops} > max_loops={self.max_loops}")
 
 
 class RMSNorm(nn.Module):
@@ -81,29 +75,55 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):  # float32: bf16 is too coarse for a mean of squares
-        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
+    def forward(self, x):
+        # in float32 whatever the autocast: bf16 is too coarse for a mean of squares
+        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
+        return y.type_as(x)
 
 
 class KVCache:
-    """One layer's keys and values. Query row b uses slot rows[b]: rows is None
-    (slot b), a slice (read without a copy) or a tensor of slot indices."""
+    """Keys and values of one stack of blocks, one slot per sequence and position: for each layer,
+    k[layer] and v[layer] are (batch, n_kv_head, block_size, head_dim).
 
-    def __init__(self, slots, n_kv_head, length, head_dim, device, dtype):
-        self.k = torch.zeros(slots, n_kv_head, length, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    Used for the core, this is Huginn's rule: a token's slot holds the K/V of the last loop it ran,
+    so a token that stopped looping early is seen by later tokens as it was when it stopped."""
 
-    def write(self, k, v, pos, rows=None):  # k, v: (B, n_kv, Tq, hd); pos: (B, Tq)
-        if pos is None:  # positions 0..Tq-1
-            pos = torch.arange(k.size(2), device=k.device).expand(len(k), -1)
-        if not torch.is_tensor(rows):  # None: slots 0..B-1; a slice: its B slots
-            rows = torch.arange(k.size(0), device=k.device) + (rows.start if rows else 0)
-        self.k[rows[:, None], :, pos] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[rows[:, None], :, pos] = v.transpose(1, 2).to(self.v.dtype)
+    def __init__(self, config, n_layers, batch, device, dtype):
+        head_dim = config.n_embd // config.n_head
+        shape = (batch, config.n_kv_head, config.block_size, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.batch = batch
+
+    def at(self, rows, pos):
+        """This cache for one call: its query rows are the sequences `rows` (B',), its tokens start at
+        position pos. pos 0 is a prefill (causal among its tokens); a later pos is one new token."""
+        return CacheView(self, rows, pos)
+
+
+class CacheView(NamedTuple):
+    """Where one call's tokens sit in a KVCache (see KVCache.at)."""
+    cache: KVCache
+    rows: torch.Tensor
+    pos: int
+
+    def write(self, layer, k, v):
+        """Store k, v (B', n_kv_head, T, head_dim) at the rows' slots, positions pos..pos+T-1."""
+        T = k.size(2)
+        self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k.to(self.cache.k[layer].dtype)
+        self.cache.v[layer][self.rows, :, self.pos:self.pos + T] = v.to(self.cache.v[layer].dtype)
+
+    def read(self, layer):
+        """The rows' keys and values at positions 0..pos: (B', n_kv_head, pos + 1, head_dim) each."""
+        k = self.cache.k[layer][:, :, :self.pos + 1]
+        v = self.cache.v[layer][:, :, :self.pos + 1]
+        if len(self.rows) < self.cache.batch:  # some sequences (index_select: 5-10x k[rows] on a CPU)
+            k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
+        return k, v
 
 
 def apply_rope(x, cos, sin):
-    # x's dtype: an fp32 table silently promoted bf16 q and k (the paper's notes)
+    # the tables in x's dtype: float32 tables silently promoted bf16 q and k (the paper's notes)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -112,34 +132,28 @@ def apply_rope(x, cos, sin):
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
-        self.head_dim = hd = cfg.n_embd // cfg.n_head
-        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * hd, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * hd, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * hd, bias=False)
-        self.wo = nn.Linear(cfg.n_head * hd, cfg.n_embd, bias=False)
-        self.seen_dtypes = None  # (q, k, v) dtypes, logged by train.py
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.wq = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, cache=None, pos=None, rows=None):
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if not torch.compiler.is_compiling():  # no side effect in a graph
-            self.seen_dtypes = (q.dtype, k.dtype, v.dtype)
         if cache is not None:
-            cache.write(k, v, pos, rows)
-        if pos is None:  # a causal window: training, a prefill
+            cache.write(layer, k, v)
+        if cache is None or cache.pos == 0:  # a window from position 0: training, a prefill
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # queries at any positions, keys from their slots
-            n_keys = int(pos.max()) + 1  # keys 0..n_keys-1 of the rows' slots
-            k, v = cache.k[:, :, :n_keys], cache.v[:, :, :n_keys]  # views
-            if torch.is_tensor(rows):  # 5-10x faster than k[rows] on a CPU
-                k, v = k.index_select(0, rows), v.index_select(0, rows)
-            k, v = (k[rows], v[rows]) if isinstance(rows, slice) else (k, v)
-            mask = torch.arange(n_keys, device=x.device) <= pos[:, None, :, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        else:  # one new token: it sees every key up to its own, so no mask (a fused kernel on CUDA)
+            k, v = cache.read(layer)
+            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -159,12 +173,14 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
-        self.attn, self.mlp = Attention(cfg), MLP(cfg)
-        post = (lambda: RMSNorm(cfg.n_embd, cfg.norm_eps)) if sandwich else nn.Identity
-        self.attn_post, self.mlp_post = post(), post()
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        # the core's sandwich: a norm after each sublayer too, before it is added to the stream
+        self.attn_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
+        self.mlp_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
 
-    def forward(self, x, cos, sin, cache=None, pos=None, rows=None):
-        x = x + self.attn_post(self.attn(self.attn_norm(x), cos, sin, cache, pos, rows))
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.attn_post(self.attn(self.attn_norm(x), cos, sin, cache, layer))
         return x + self.mlp_post(self.mlp(self.mlp_norm(x)))
 
 
@@ -175,9 +191,9 @@ class Stack(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg, sandwich) for _ in range(n))
 
-    def forward(self, x, cos, sin, caches=None, pos=None, rows=None):
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if caches is None else caches[i], pos, rows)
+    def forward(self, x, cos, sin, cache=None):
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, layer)
         return x
 
 
@@ -186,11 +202,12 @@ class Core(Stack):
         super().__init__(cfg, cfg.n_core, sandwich=True)
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, e, s, cos, sin, caches=None, pos=None, rows=None):
-        # the stream stays float32 under autocast (bf16 matmuls): the
-        # convergence tail (KL ~1e-5) is below bf16's resolution; one dtype, one graph
+    def forward(self, e, s, cos, sin, cache=None):
+        # The state s stays float32 under autocast (only the matmuls run in bf16): the convergence
+        # tail (KL ~1e-5) is below bf16's resolution. The adapter's output takes e's dtype, so the
+        # blocks see one dtype at every loop (one compiled graph).
         x = self.adapter(torch.cat([e, s], dim=-1)).to(e.dtype)
-        return super().forward(x, cos, sin, caches, pos, rows)
+        return super().forward(x, cos, sin, cache)
 
 
 class GPT(nn.Module):
@@ -203,36 +220,38 @@ class GPT(nn.Module):
         self.coda_blocks = Stack(c, c.n_coda)
         self.norm = RMSNorm(c.n_embd, c.norm_eps)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied input/output embeddings
-        hd = c.n_embd // c.n_head
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        head_dim = c.n_embd // c.n_head
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        # wo, w_down shrink with the depth at mean_loops: no variance growth
+        # Output projections (wo, w_down) shrink with the depth unrolled at mean_loops, so the
+        # stream's variance does not grow with the number of blocks it passes through.
         std = math.sqrt(2 / (5 * c.n_embd))
         depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
-        scale = 1 / math.sqrt(2 * depth)
+        out_std = std / math.sqrt(2 * depth)
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                out = name.endswith(("wo.weight", "w_down.weight"))
-                nn.init.normal_(p, std=std * scale if out else std)
+                is_output = name.endswith(("wo.weight", "w_down.weight"))
+                nn.init.normal_(p, std=out_std if is_output else std)
 
     def get_num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())  # the tied head once
+        n = sum(p.numel() for p in self.parameters())  # the tied head counted once
         return n - self.wte.weight.numel() if non_embedding else n
 
-    def rope(self, T, pos=None):
-        if pos is None:  # positions 0..T-1 for every row
-            return self.rope_cos[:T], self.rope_sin[:T]
-        return self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # (B, 1, Tq, hd/2)
+    def rope(self, T, cache=None):
+        """The rotary tables of T tokens from position 0, or from the cache view's position."""
+        start = 0 if cache is None else cache.pos
+        return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
 
-    def prelude(self, idx, caches=None, pos=None, rows=None):
-        """Token ids (B, T) -> e (B, T, d), computed once per sequence."""
-        return self.prelude_blocks(self.wte(idx), *self.rope(idx.size(1), pos), caches, pos, rows)
+    # ---- the per-loop API: every loop in the project is built from these four
+    def prelude(self, idx, cache=None):
+        """Token ids (B, T) -> e (B, T, d), computed once per token."""
+        return self.prelude_blocks(self.wte(idx), *self.rope(idx.size(1), cache), cache)
 
     def init_state(self, e, mode="noise", generator=None):
-        """s_0: N(0, state_std) (training) or zeros (reproducible exits)."""
+        """s_0 shaped like e: N(0, state_std) as in training, or zeros (reproducible exits)."""
         if mode == "zero":
             return torch.zeros_like(e)
         if mode != "noise":
@@ -240,24 +259,27 @@ class GPT(nn.Module):
         noise = torch.randn(e.shape, generator=generator, device=e.device)
         return (noise * self.config.state_std).to(e.dtype)
 
-    def core_step(self, e, s, caches=None, pos=None, rows=None):
-        """One loop, for any tokens at positions pos (B, Tq) given caches."""
-        return self.core(e, s, *self.rope(s.size(1), pos), caches, pos, rows)
+    def core_step(self, e, s, cache=None):
+        """One loop: (e, s_{i-1}) (B, T, d) -> s_i (B, T, d)."""
+        return self.core(e, s, *self.rope(s.size(1), cache), cache)
 
-    def readout(self, s, caches=None, pos=None, rows=None):
-        """State -> logits (B, T, vocab): coda, final norm, tied head."""
-        x = self.coda_blocks(s, *self.rope(s.size(1), pos), caches, pos, rows)
+    def readout(self, s, cache=None):
+        """State (B, T, d) -> logits (B, T, vocab): coda, final norm, tied head."""
+        x = self.coda_blocks(s, *self.rope(s.size(1), cache), cache)
         return self.lm_head(self.norm(x))
 
-    def new_caches(self, n_layers, slots, length, dtype=None):
-        c, w = self.config, self.wte.weight  # K/V in attention's dtype
-        auto = torch.is_autocast_enabled(w.device.type)
-        dtype = dtype or (torch.get_autocast_dtype(w.device.type) if auto else w.dtype)
-        args = (slots, c.n_kv_head, length, c.n_embd // c.n_head, w.device, dtype)
-        return [KVCache(*args) for _ in range(n_layers)]
+    def new_cache(self, n_layers, batch):
+        """An empty KVCache for n_layers blocks, in the dtype attention computes in."""
+        device = self.wte.weight.device
+        dtype = self.wte.weight.dtype
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        return KVCache(self.config, n_layers, batch, device, dtype)
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
-        """Backprop through the last bptt_k loops -> (None, loss) or (logits, None)."""
+        """idx (B, T) -> (logits (B, T, vocab), None), or with targets (None, mean loss).
+
+        Truncated backprop: the first loops - bptt_k loops run without gradients."""
         loops = self.config.mean_loops if loops is None else loops
         e = self.prelude(idx)
         s = self.init_state(e, state_init, generator)
@@ -273,116 +295,137 @@ class GPT(nn.Module):
         return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
 
     def chunked_loss(self, x, targets):
-        """Mean cross-entropy of x (N, d) by chunks, each recomputed in backward."""
+        """Mean cross-entropy of x (N, d) against targets (N,), -1 ignored. The logits of a whole
+        batch need not fit: the head runs by chunks, each recomputed in backward."""
         def loss_sum(x, y):  # a float32 softmax under any autocast
-            return F.cross_entropy(self.lm_head(x).float(), y, ignore_index=-1, reduction="sum")
-        chunk = max(1, LOGITS_CHUNK // self.config.vocab_size)
-        pairs = zip(x.split(chunk), targets.split(chunk))
-        total = sum(checkpoint(loss_sum, xs, ys, use_reentrant=False) for xs, ys in pairs)
+            logits = self.lm_head(x).float()
+            return F.cross_entropy(logits, y, ignore_index=-1, reduction="sum")
+        rows = max(1, LOGITS_CHUNK // self.config.vocab_size)
+        total = 0
+        for x_rows, y_rows in zip(x.split(rows), targets.split(rows)):
+            total = total + checkpoint(loss_sum, x_rows, y_rows, use_reentrant=False)
         return total / (targets != -1).sum().clamp_min(1)
 
+    # ---- the FLOP ledger: one count for MFU, allocate.py's tables and bench.py
     def flop_terms(self, T):
-        """Forward FLOPs/token (prelude, loop, readout): 2 per weight, 4Td a layer."""
+        """Forward FLOPs per token of (the prelude, one loop, the readout) in a window of T:
+        2 per matmul weight, and 4 * T * d per attention layer (scores and values)."""
         def matmuls(module):
             return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
         c = self.config
-        attn = 4 * T * c.n_embd
-        prelude = matmuls(self.prelude_blocks) + attn * c.n_prelude  # wte: a lookup
-        core = matmuls(self.core) + attn * c.n_core
-        readout = matmuls(self.coda_blocks) + 2 * self.lm_head.weight.numel() + attn * c.n_coda
-        return prelude, core, readout
+        attention = 4 * T * c.n_embd
+        prelude = matmuls(self.prelude_blocks) + attention * c.n_prelude  # wte is a lookup
+        loop = matmuls(self.core) + attention * c.n_core
+        head = 2 * self.lm_head.weight.numel()
+        readout = matmuls(self.coda_blocks) + head + attention * c.n_coda
+        return prelude, loop, readout
 
     def flops_per_token(self, loops, n_grad, T):
-        """Training FLOPs per token: 3x forward with gradients, 1x without."""
-        prelude, core, readout = self.flop_terms(T)
-        return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * core
+        """Training FLOPs per token: 3x the forward where gradients flow, 1x in no-grad loops."""
+        prelude, loop, readout = self.flop_terms(T)
+        return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * loop
 
-    def inference_flops(self, loops, T, criterion="none"):
-        """Forward FLOPs per token of a policy (KL: a readout a loop)."""
-        prelude, core, readout = self.flop_terms(T)
-        c = self.config
-        cost = {"kl": 8 * c.vocab_size, "state": 6 * c.n_embd, "probe": 4 * c.n_embd}
-        readouts = loops if criterion == "kl" else 1
-        return prelude + loops * core + readouts * readout + (loops - 1) * cost.get(criterion, 0)
+    def inference_flops(self, loops, T, exit_test=None):
+        """Forward FLOPs per token of `loops` loops (a number or an array of averages): uniform
+        depth, or with an ExitTest its readouts (KL: one per loop) and tests (from loop 2)."""
+        prelude, loop, readout = self.flop_terms(T)
+        if exit_test is None:
+            return prelude + loops * loop + readout
+        readouts = loops if exit_test.needs_logits else 1
+        tests = loops - 1
+        return prelude + loops * loop + readouts * readout + tests * exit_test.flops(self.config)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        matrices = [p for p in self.parameters() if p.dim() >= 2]  # not the gains
+        matrices = [p for p in self.parameters() if p.dim() >= 2]  # decayed; the norms' gains are not
         gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
 
-def exit_score(criterion, s_new, s_old, logits_new=None, logits_old=None):
-    """Per token: 'kl' KL(p_i || p_{i-1}), 'state' ||s_i - s_{i-1}|| / ||s_i||."""
-    if criterion == "kl":
-        return token_kl(logits_new, logits_old)
-    return state_change(s_new, s_old, relative=True)
-
-
+# ---- per-token measures, in float32 whatever the autocast, by chunks of LOGITS_CHUNK
 def by_chunks(fn, logits, other):
-    """fn(float32 rows of logits, rows of other): (..., V) -> (...), by chunks."""
+    """fn(float32 rows of logits (N, V), rows of other) -> (N,), over logits (..., V) -> (...)."""
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
-    mine = logits.reshape(-1, logits.size(-1)).split(rows)  # (V,) is one row
+    mine = logits.reshape(-1, logits.size(-1)).split(rows)
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
-    return torch.cat([fn(a.float(), b) for a, b in zip(mine, theirs)]).view(logits.shape[:-1])
+    results = [fn(a.float(), b) for a, b in zip(mine, theirs)]
+    return torch.cat(results).view(logits.shape[:-1])
 
 
 def token_kl(logits_p, logits_q):
-    """Per-token KL(p || q) in float32; exactly 0 where p == q."""
+    """KL(p || q) per token, p and q the softmaxes of logits (..., V) -> (...); exactly 0 where p == q."""
     def kl(p, q):
-        logq = F.log_softmax(q.float(), -1)
-        return F.kl_div(logq, F.log_softmax(p, -1), log_target=True, reduction="none").sum(-1)
+        log_p = F.log_softmax(p, -1)
+        log_q = F.log_softmax(q.float(), -1)
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
     return by_chunks(kl, logits_p, logits_q).clamp_min(0.0)
 
 
-def token_loss(logits, y):
-    """Per-token cross-entropy, shaped like y, in float32."""
-    return by_chunks(lambda a, b: F.cross_entropy(a, b, reduction="none"), logits, y)
+def token_loss(logits, targets):
+    """Cross-entropy per token: logits (..., V), targets (...) -> (...)."""
+    return by_chunks(lambda a, b: F.cross_entropy(a, b, reduction="none"), logits, targets)
 
 
 def state_change(s_new, s_old, relative=False):
-    """Per-token ||s_new - s_old||, or over ||s_new|| (a nearly free exit test)."""
+    """||s_new - s_old|| per token (..., d) -> (...), or divided by ||s_new||."""
     delta = (s_new.float() - s_old.float()).norm(dim=-1)
-    return delta / s_new.float().norm(dim=-1).clamp_min(1e-12) if relative else delta
+    if not relative:
+        return delta
+    return delta / s_new.float().norm(dim=-1).clamp_min(1e-12)
 
 
+# ---- exit tests: after each loop from MIN_EXIT_LOOP, a token stops once its score is below a threshold
+class ExitTest(NamedTuple):
+    score: Callable  # (s_new, s_old, logits_new, logits_old) -> a score per token
+    flops: Callable  # config -> FLOPs per token of one test
+    needs_logits: bool  # a readout at every loop, carried to the next (the KL exit)
+
+
+def kl_score(s_new, s_old, logits_new, logits_old):
+    return token_kl(logits_new, logits_old)  # the paper's A1: KL(p_i || p_{i-1})
+
+
+def state_score(s_new, s_old, logits_new, logits_old):
+    return state_change(s_new, s_old, relative=True)  # A1s: ||s_i - s_{i-1}|| / ||s_i||, no readout
+
+
+class DepthPolicy(NamedTuple):
+    """How deep each token runs: r_max loops, or with an exit test until its score is below threshold."""
+    test: ExitTest | None  # None: uniform depth, every token runs r_max loops
+    threshold: float
+    r_max: int
+
+
+def uniform_depth(loops):
+    return DepthPolicy(None, 0.0, loops)
+
+
+EXIT_TESTS = {
+    # two log-softmaxes, a difference and a product per vocabulary entry
+    "kl": ExitTest(kl_score, lambda config: 8 * config.vocab_size, needs_logits=True),
+    # a difference and two norms per state channel
+    "state": ExitTest(state_score, lambda config: 6 * config.n_embd, needs_logits=False),
+}
+
+
+# ---- devices and precision
 def check_device(device):
-    """One line and exit 2 for a device this machine lacks."""
+    """UserError for a device this machine lacks."""
     n_gpus = torch.cuda.device_count()
-    if device not in ["cpu"] + ["cuda"] * (n_gpus > 0) + [f"cuda:{i}" for i in range(n_gpus)]:
-        die(f"--device={device}: this machine has {n_gpus} CUDA GPU(s) (cpu, cuda or cuda:N)")
+    known = ["cpu"] + [f"cuda:{i}" for i in range(n_gpus)] + (["cuda"] if n_gpus else [])
+    if device not in known:
+        raise UserError(f"--device={device}: this machine has {n_gpus} CUDA GPU(s) (cpu, cuda or cuda:N)")
 
 
 def autocast(device, dtype):
-    """bf16 autocast for the matmuls, on CUDA or (for tests) the CPU."""
+    """bf16 autocast for the matmuls, on CUDA or (for the tests) on the CPU."""
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype != "float32")
 
 
-def training_memory(config, batch_size, dtype):
-    """Peak bytes of a training micro-step by part, counted on fake tensors."""
-    with FakeTensorMode():
-        model = GPT(config)
-        idx = torch.zeros(batch_size, config.block_size, dtype=torch.long)
-        weights = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            key = StorageWeakRef(t.untyped_storage())
-            if key not in weights:
-                saved[key] = t.untyped_storage().nbytes()
-            return t
-        with autocast("cpu", dtype), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(idx, idx, loops=min(config.bptt_k, config.max_loops))
-    n = sum(p.numel() for p in model.parameters())
-    logits = min(LOGITS_CHUNK, batch_size * config.block_size * config.vocab_size)
-    parts = {"activations": sum(saved.values()), "weights": 4 * n, "gradients": 4 * n,
-             "adamw": 8 * n, "logits": 2 * 4 * logits}
-    return parts | {"total": sum(parts.values())}
-
-
+# ---- files
 def save_atomic(path, obj):
-    """Whole or not at all (synced, then renamed); .pt by torch.save, else JSON."""
+    """Write whole or not at all (synced, then renamed over path): .pt by torch.save, else JSON."""
     with open(f"{path}.tmp", "wb") as f:
         if path.endswith(".pt"):
             torch.save(obj, f)
@@ -394,23 +437,25 @@ def save_atomic(path, obj):
 
 
 def read_checkpoint(path, device="cpu", advice=""):
-    """The checkpoint dict at path, or one line (ending with advice) and exit 2."""
-    check_device(device)  # a missing GPU: the machine's fault, not the file's
+    """The checkpoint dict train.py saved at path; else UserError (its message ends with advice)."""
+    check_device(device)  # a missing GPU is the machine's fault, not the file's
     if not os.path.isfile(path):
-        die(f"no checkpoint at {path} (train one with `python train.py`)")
+        raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as err:
-        # never repeat torch's advice (weights_only=False runs the file's code)
         reason = (str(err).splitlines() or [type(err).__name__])[0]
-        if "Weights only" in reason:
+        if "Weights only" in reason:  # never repeat torch's advice: weights_only=False runs the file's code
             reason = "it holds objects a safe load refuses"
-        die(f"{path} ({os.path.getsize(path)} bytes) is not a readable checkpoint: {reason}{advice}")
+        size = os.path.getsize(path)
+        raise UserError(f"{path} ({size} bytes) is not a readable checkpoint: {reason}{advice}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        die(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r}){advice}")
+        raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r}){advice}")
     for key, kind in CKPT_KEYS.items():
         if not isinstance(ckpt.get(key), kind):
-            die(f"{path}: its {key!r} is missing or not a {kind.__name__}{advice}")
+            raise UserError(f"{path}: its {key!r} is missing or not a {kind.__name__}{advice}")
+    if not isinstance(ckpt["config"].get("dataset"), str):
+        raise UserError(f"{path}: its config names no dataset{advice}")
     return ckpt
 
 
@@ -419,24 +464,30 @@ def checkpoint_id(ckpt):
     return f"{ckpt['config'].get('run_id', 'unnamed')}@{ckpt['iter_num']}"
 
 
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode, checkpoint dict), or one line and exit 2."""
-    ckpt = read_checkpoint(path, device)
+def model_from_checkpoint(path, ckpt):
+    """The GPT a checkpoint's model_args and weights describe; else UserError."""
     args = ckpt["model_args"]
-    missing = sorted({f.name for f in fields(GPTConfig) if f.type is int} - args.keys())
-    if missing:
-        die(f"{path}: its model_args lack {', '.join(missing)}")
     names = {f.name for f in fields(GPTConfig)}
+    missing = sorted({f.name for f in fields(GPTConfig) if f.type is int} - args.keys())
+    if missing:  # never silently the default width, whose weights would not fit
+        raise UserError(f"{path}: its model_args lack {', '.join(missing)}")
     try:
         model = GPT(GPTConfig(**{k: v for k, v in args.items() if k in names}))
-    except (TypeError, ValueError) as err:
-        die(f"{path}: its model_args are malformed: {err}")
+    except UserError as err:
+        raise UserError(f"{path}: its model_args are malformed: {err}") from None
     bad = [k for k, t in ckpt["model"].items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:  # train.py never saves one, but an older run could have
-        die(f"{path} has non-finite weights ({bad[0]}, {len(bad) - 1} more): its run diverged")
+        raise UserError(f"{path} has non-finite weights ({bad[0]}, {len(bad) - 1} more): its run diverged")
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as err:  # missing, unexpected or misshapen
-        detail = str(err).splitlines()[1:2] or [str(err)]
-        die(f"{path}: its weights do not fit its model_args: {detail[0].strip()}")
+    except RuntimeError as err:  # missing, unexpected or misshapen weights
+        detail = (str(err).splitlines()[1:2] or [str(err)])[0].strip()
+        raise UserError(f"{path}: its weights do not fit its model_args: {detail}") from None
+    return model
+
+
+def load_checkpoint(path, device="cpu"):
+    """-> (model in eval mode on device, checkpoint dict); else UserError."""
+    ckpt = read_checkpoint(path, device)
+    model = model_from_checkpoint(path, ckpt)
     return model.to(device).eval(), ckpt

@@ -1,10 +1,16 @@
 """Train a depth-recurrent transformer with randomized depth and truncated backprop.
 
-    python train.py        # the CPU default: Shakespeare, ~10 min on 2 cores
+    python train.py                 # the CPU default: Shakespeare, ~10 min on 2 cores
+    python train.py config/s0.py    # a config file, then --key=value, override the settings below
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
+
+Each step draws its depth r from a LogNormal, the same on every rank, and runs r - bptt_k loops
+without gradients, then bptt_k with them. Writes out_dir/ckpt.pt and out_dir/metrics.jsonl.
 """
+import json
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -12,22 +18,25 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import configure, die, run
-from model import (CKPT_FORMAT, GPT, GPTConfig, autocast, check_device, config_or_die, read_checkpoint,
-                   save_atomic, training_memory)
+from configurator import UserError, configure, run
+from model import (CKPT_FORMAT, GPT, GPTConfig, autocast, check_device, model_from_checkpoint, read_checkpoint,
+                   save_atomic)
 
-out_dir = "out-shakespeare"  # ckpt.pt is written here
+# I/O
+out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
 eval_interval = 100  # steps between evaluations and saves
 log_interval = 10  # steps between log lines
 eval_iters = 10  # batches per evaluation
 always_save_checkpoint = True  # save at every evaluation, not only the best
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 overwrite_checkpoint = False  # let a scratch run replace ckpt.pt
+# data
 dataset = "shakespeare"  # data/<dataset>/ from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per step, over all ranks
 batch_size = 8  # sequences per micro-step
 block_size = 512  # tokens per sequence
-n_embd = 192  # model width (vocab_size: the dataset's)
+# model (its vocab_size is the dataset's)
+n_embd = 192  # model width
 n_head = 3  # attention heads
 n_kv_head = 1  # key/value heads (grouped-query attention)
 ffn_hidden = 512  # SwiGLU hidden width
@@ -35,12 +44,14 @@ n_prelude = 1  # unique blocks before the core
 n_core = 1  # blocks in the weight-tied core
 n_coda = 1  # unique blocks after the core
 mean_loops = 8  # median of the loop distribution
+loop_spread = 0.5  # sigma of the LogNormal over loops (the paper's 0.5)
 max_loops = 32  # loops are clamped to this
 bptt_k = 8  # loops that get gradients (the last ones)
 rope_theta = 10000.0  # rotary embedding base
 norm_eps = 1e-5  # RMSNorm epsilon
 state_std = math.sqrt(2 / 5)  # std of the noise initial state
 loop_dist = "lognormal"  # 'lognormal' (randomized) or 'fixed' (mean_loops)
+# optimizer
 learning_rate = 2e-3  # peak learning rate
 max_iters = 400  # optimizer steps
 lr_decay_iters = 0  # cosine decay length; 0: max_iters
@@ -50,78 +61,109 @@ weight_decay = 0.1  # AdamW weight decay on matrices
 beta1 = 0.9  # AdamW beta1
 beta2 = 0.95  # AdamW beta2
 grad_clip = 1.0  # gradient norm clip; 0: none
+guard_grace_iters = 100  # steps before the 0.1% budget of skipped steps applies
+# system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
-compile_backend = "inductor"  # (aot_eager needs no C++ compiler)
+compile_backend = "inductor"  # a torch._dynamo backend (aot_eager needs no C++ compiler)
 seed = 1337  # seeds the depths, data order and noise
 peak_flops = 0.0  # MFU's FLOP/s; 0: the card's datasheet bf16 peak
-guard_grace_iters = 100  # steps before the 0.1% skip budget
-memory_limit_gb = 0.0  # refuse a run predicted above it; 0: the device's memory
-INT = (0, 2**31)
-POS = (1, 2**31)
-RULES = dict(
-    out_dir=str, eval_interval=POS, log_interval=POS, eval_iters=POS,
-    always_save_checkpoint=bool, init_from=("scratch", "resume"), overwrite_checkpoint=bool, dataset=str,
-    gradient_accumulation_steps=(1, 2**20), batch_size=(1, 2**20), block_size=(2, 2**20),
-    n_embd=(2, 2**16), n_head=(1, 1024), n_kv_head=(1, 1024), ffn_hidden=(1, 2**18),
-    n_prelude=(0, 256), n_core=(0, 256), n_coda=(0, 256), mean_loops=(1, 256), max_loops=(1, 1024),
-    bptt_k=(1, 1024), rope_theta=(1.0, 1e9), norm_eps=(1e-12, 1.0), state_std=(0.0, 100.0),
-    loop_dist=("lognormal", "fixed"), learning_rate=(1e-12, 10.0), max_iters=INT, lr_decay_iters=INT,
-    warmup_iters=(-1, 2**31), min_lr=(0.0, 10.0), weight_decay=(0.0, 10.0), beta1=(0.0, 0.9999),
-    beta2=(0.0, 0.9999), grad_clip=(0.0, 1e9), device=str, dtype=("float32", "bfloat16"),
-    compile=bool, compile_backend=str, seed=(0, 2**32 - 1), peak_flops=(0.0, 1e20),
-    guard_grace_iters=INT, memory_limit_gb=(0.0, 1e6))
-MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
+
+# the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
+RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16")}
+RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
+                       (1, math.inf))
+RULES |= dict.fromkeys(["beta1", "beta2"], (0, 0.9999))  # at 1, AdamW's bias correction divides by zero
+RULES |= {"warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step: a 64-bit seed
+MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
 DATASHEET = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "RTX 4090": 165e12, "L40S": 362e12,
              "A10": 125e12, "RTX 3090": 71e12}  # dense bf16 peaks, FLOP/s
 
 
-def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal"):
-    """One step's depth, from (seed, step) alone: the same on every rank."""
+def check_settings(C):
+    """UserError for what the settings' rules cannot see: the machine's devices and compile backends."""
+    check_device(C.device)
+    if C.compile and C.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UserError(f"--compile_backend={C.compile_backend} is not in torch._dynamo.list_backends()")
+
+
+def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal", spread=0.5):
+    """One step's depth from (seed, step) alone, so that every rank draws the same one:
+    round(exp(N(log mean_loops, spread))) clamped to [1, max_loops], whose median is mean_loops."""
     if dist == "fixed":
         return mean_loops
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     z = torch.randn((), generator=g, dtype=torch.float64).item()
-    r = round(math.exp(math.log(mean_loops) + 0.5 * z))
-    return int(min(max(r, 1), max_loops))
+    log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))  # before exp, which overflows
+    return max(round(math.exp(log_r)), 1)
 
 
 def get_lr(it, C):
+    """Linear warm-up (-1: over 1% of the decay), then a cosine decay to min_lr at lr_decay_iters."""
     decay_iters = C.lr_decay_iters or C.max_iters
     warmup = C.warmup_iters if C.warmup_iters >= 0 else max(1, round(0.01 * decay_iters))
     if it < warmup:
         return C.learning_rate * (it + 1) / warmup
-    ratio = min(1.0, (it - warmup) / max(1, decay_iters - warmup))
-    return C.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (C.learning_rate - C.min_lr)
+    progress = min(1.0, (it - warmup) / max(1, decay_iters - warmup))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return C.min_lr + cosine * (C.learning_rate - C.min_lr)
 
 
-def get_batch(C, meta, split, generator):
-    """(x, y) token ids, each (batch_size, block_size)."""
-    path = os.path.join("data", C.dataset, f"{split}.bin")
-    data = np.memmap(path, dtype=meta["dtype"], mode="r")  # reopened: no memmap leak
-    if len(data) < C.block_size + 2:
-        die(f"{path} has {len(data)} tokens, fewer than block_size + 2")
-    ix = torch.randint(len(data) - C.block_size - 1, (C.batch_size,), generator=generator).tolist()
-    xy = torch.stack([torch.from_numpy(data[i:i + C.block_size + 1].astype(np.int64)) for i in ix])
-    if "cuda" in C.device:
-        xy = xy.pin_memory()
-    xy = xy.to(C.device, non_blocking=True)
+def get_batch(path, meta, shape, generator, device):
+    """Random windows of a token file: x and y (batch_size, block_size) = shape, y shifted by one."""
+    data = np.memmap(path, dtype=meta["dtype"], mode="r")  # opened for each batch: a kept memmap leaks
+    batch_size, block_size = shape
+    if len(data) < block_size + 2:
+        raise UserError(f"{path} has {len(data)} tokens, fewer than block_size + 2")
+    starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
+    xy = torch.stack([torch.from_numpy(data[i:i + block_size + 1].astype(np.int64)) for i in starts])
+    if "cuda" in device:
+        xy = xy.pin_memory()  # so that the copy to the GPU runs beside its work
+    xy = xy.to(device, non_blocking=True)
     return xy[:, :-1], xy[:, 1:]
 
 
-def nonfinite_guard(it, skipped, grace, log=print):
-    """Note skipped step `it`; 3 in a row, or over 0.1% after `grace`, abort."""
-    skipped.append(it)
-    log(f"iter {it}: non-finite loss or grad norm, optimizer step skipped ({len(skipped)} so far)")
+def train_step(model, optimizer, batches, loops, C, world=1):
+    """One optimizer step on this rank's micro-batches [(x, y)] at depth `loops`, the gradient
+    averaged over them and over `world` ranks. -> (this rank's mean loss, whether it stepped)."""
+    loss_sum = 0.0
+    # each micro-batch's loss divided by their number: the gradients add up to the step's mean loss's
+    for x, y in batches:
+        with autocast(x.device.type, C.dtype):
+            loss = model(x, y, loops=loops)[1] / len(batches)
+        loss.backward()
+        loss_sum += loss.detach()
+    if world > 1:  # the ranks' gradients summed, then divided: gloo has no average
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), C.grad_clip or math.inf)
+    finite = torch.isfinite(loss_sum + grad_norm).float()
+    if world > 1:  # one rank's overflow skips the step on every rank, or their weights part
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    stepped = bool(finite.item())
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss_sum), stepped
+
+
+def check_skips(skipped, it, grace):
+    """UserError once the skipped steps (the last one `it`) say that the run is lost.
+
+    The paper aborts "if skips exceed 0.1 percent of steps or three consecutive occurrences",
+    read here as 0.1% of the steps so far, from step `grace` on, so that a burst of overflows
+    stops the run when it comes: one skip after the grace aborts until step 999, two until 1999."""
     if skipped[-3:] == [it - 2, it - 1, it]:
-        die(f"iter {it}: 3 consecutive non-finite steps: {skipped}")
-    if it >= grace and len(skipped) > 0.001 * (it + 1):
-        die(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {it + 1}: {skipped}")
+        raise UserError(f"iter {it}: 3 consecutive non-finite steps: {skipped}")
+    steps_so_far = it + 1
+    if it >= grace and 1000 * len(skipped) > steps_so_far:
+        raise UserError(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {steps_so_far}: {skipped}")
 
 
 def mfu_ceiling(C):
-    """(MFU's FLOP/s ceiling, its source), or (0, why there is none)."""
+    """(the FLOP/s that MFU is measured against, its source), or (0, why there is none)."""
     if C.peak_flops:
         return C.peak_flops, "--peak_flops"
     if "cuda" not in C.device:
@@ -133,180 +175,214 @@ def mfu_ceiling(C):
     return 0.0, f"no MFU: no bf16 peak for {name} {C.dtype} (--peak_flops)"
 
 
-def build(C, given, log):
-    """-> (model, optimizer, data generator, meta, step, best val loss)."""
-    try:
-        os.makedirs(C.out_dir, exist_ok=True)
-    except OSError as err:
-        die(f"--out_dir={C.out_dir}: {err.strerror}")
-    if not os.access(C.out_dir, os.W_OK):
-        die(f"--out_dir={C.out_dir} is not a writable folder")
-    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
-    ckpt = read_checkpoint(ckpt_path, C.device) if C.init_from == "resume" else None
-    if ckpt:  # its model and dataset kept
-        saved = {k: ckpt["model_args"].get(k) for k in MODEL_KEYS} | {"dataset": ckpt["config"]["dataset"]}
-        for key, value in saved.items():
-            if key in given and getattr(C, key) != value:
-                die(f"--{key}={getattr(C, key)}, but {ckpt_path} has {key}={value}")
-            setattr(C, key, value)
-    elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
-        step = read_checkpoint(ckpt_path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
-        die(f"{ckpt_path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
-    if C.dataset == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
-        if C.rank == 0:  # the default corpus prepares itself
-            log("no data/shakespeare/ yet: running `python prepare.py` first")
-            prepare.main([])
-        if C.world > 1:
-            dist.barrier()
-    meta = prepare.open_dataset(C.dataset, ckpt, ckpt_path)[1]
-    config = config_or_die(vocab_size=meta["vocab_size"], **{k: getattr(C, k) for k in MODEL_KEYS})
-    need = training_memory(config, C.batch_size, C.dtype)
-    have = C.memory_limit_gb * 1e9 or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if "cuda" in C.device and not C.memory_limit_gb:
-        have = torch.cuda.get_device_properties(C.device).total_memory
-    parts = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in need.items() if k != "total")
-    total = need["total"] / 1e9
-    log(f"memory per micro-step: {total:.3g} GB ({parts}); {have / 1e9:.1f} GB available")
-    if need["total"] > have:
-        per_row = need["activations"] / C.batch_size
-        fits = int((have - need["total"] + need["activations"]) // per_row)
-        advice = f"--batch_size={fits}, more --gradient_accumulation_steps" if fits > 0 else "no batch fits"
-        die(f"{total:.1f} GB per micro-step exceeds {have / 1e9:.1f} GB: {advice}")
-    model = GPT(config).to(C.device)
+def prepare_model(model, C, device):
+    """-> the AdamW of a model moved to device, its parts compiled if asked: each on its own, so that
+    a new depth every step never recompiles."""
+    model.to(device)
+    if C.compile:
+        print(f"compiling prelude, core and coda ({C.compile_backend})")
+        for part in (model.prelude_blocks, model.core, model.coda_blocks):
+            part.compile(backend=C.compile_backend)
     betas = (C.beta1, C.beta2)
-    optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, betas, C.device.split(":")[0])
-    g_data = torch.Generator().manual_seed(C.seed + 1000 + C.rank)
-    C.run_id = os.urandom(8).hex()
-    if ckpt is None:
-        return model, optimizer, g_data, meta, 0, math.inf
-    model.load_state_dict(ckpt["model"])
-    for old, new in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
-        old.update(weight_decay=new["weight_decay"], betas=new["betas"])  # today's
-    optimizer.load_state_dict(ckpt["optimizer"])
+    return model.configure_optimizers(C.weight_decay, C.learning_rate, betas, device.split(":")[0])
+
+
+def restore(optimizer, g_data, ckpt, ckpt_path, rank, world):
+    """The checkpoint's AdamW state, with today's weight decay and betas, and this rank's RNG streams."""
     rng = ckpt["rng"]
-    if len(rng["data"]) != C.world:
-        die(f"{ckpt_path} was saved by {len(rng['data'])} ranks, not {C.world}")
-    g_data.set_state(rng["data"][C.rank].cpu())  # RNG states live on the CPU
-    torch.set_rng_state(rng["torch"][C.rank].cpu())
+    ranks = len(rng.get("data", []))
+    if ranks != world:
+        raise UserError(f"{ckpt_path} was saved by {ranks} ranks, not {world}")
+    try:
+        for old, new in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
+            old.update(weight_decay=new["weight_decay"], betas=new["betas"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        for p, state in optimizer.state.items():  # torch checks no moment's shape
+            if any(v.dim() and v.shape != p.shape for v in state.values()):
+                raise ValueError(f"moments that do not fit a {list(p.shape)} weight")
+        g_data.set_state(rng["data"][rank].cpu())  # RNG states live on the CPU
+        torch.set_rng_state(rng["torch"][rank].cpu())
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as err:
+        raise UserError(f"{ckpt_path}: its optimizer or RNG state is malformed: {err}") from None
     if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"][C.rank].cpu())
-    C.run_id = ckpt["config"].get("run_id", C.run_id)
-    return model, optimizer, g_data, meta, ckpt["iter_num"], ckpt["best_val_loss"]
+        torch.cuda.set_rng_state(rng["cuda"][rank].cpu())
 
 
-def evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log):
-    """Losses on fixed batches; a checkpoint if finite. -> best val loss."""
+def gather_rngs(g_data, world):
+    """{stream: [its state on each rank]}: every rank calls it, rank 0 saves it."""
+    mine = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    ranks = [mine] * world
+    if world > 1:
+        dist.all_gather_object(ranks, mine)
+    return {stream: [states[stream] for states in ranks] for stream in mine}
+
+
+@torch.no_grad()
+def estimate_loss(model, data_dir, meta, shape, C, device):
+    """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation (streams of
+    their own, so that a resumed run draws what an uninterrupted one does)."""
     losses = {}
     for split in ("train", "val"):
-        g_batch = torch.Generator().manual_seed(C.seed + 1)  # not the run's streams
-        g_noise = torch.Generator(device=C.device).manual_seed(C.seed + 2)
+        g_batch = torch.Generator().manual_seed(C.seed + 1)
+        g_noise = torch.Generator(device=device).manual_seed(C.seed + 2)
         total = 0.0
         for _ in range(C.eval_iters):
-            x, y = get_batch(C, meta, split, g_batch)
-            with torch.no_grad(), autocast(C.device, C.dtype):
-                total += model(x, y, loops=C.mean_loops, generator=g_noise)[1].item()
+            x, y = get_batch(os.path.join(data_dir, f"{split}.bin"), meta, shape, g_batch, device)
+            with autocast(device, C.dtype):
+                total += model(x, y, loops=model.config.mean_loops, generator=g_noise)[1].item()
         losses[split] = total / C.eval_iters
-    bits = losses["val"] * meta.get("val_tokens", 0) / meta.get("val_bytes", math.nan) / math.log(2)
-    log(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
-        f"val {bits:.4f} bits/byte (loops={C.mean_loops})")
-    if not all(p.isfinite().all() for p in model.parameters()) or not math.isfinite(losses["val"]):
-        log(f"step {it}: non-finite val loss or weights, not saved")
-    elif losses["val"] < best_val or C.always_save_checkpoint:
-        best_val = min(best_val, losses["val"])
-        rng = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        ranks = [rng] * C.world
-        if C.world > 1:  # every rank takes part
-            dist.all_gather_object(ranks, rng)
-        if it > 0 and C.rank == 0:
-            config = {k: getattr(C, k) for k in RULES} | {"dataset_meta": meta, "run_id": C.run_id}
-            ckpt = {"format": CKPT_FORMAT, "model_args": dict(vars(model.config)), "config": config,
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": it,
-                    "best_val_loss": best_val, "rng": {k: [r[k] for r in ranks] for k in rng}}
-            save_atomic(os.path.join(C.out_dir, "ckpt.pt"), ckpt)
-            log(f"saved checkpoint to {C.out_dir}/ckpt.pt")
-    return best_val
+    return losses
 
 
-def train_step(model, optimizer, g_data, C, meta, it, log, skipped):
-    """-> (it, loops, loss); a non-finite step is skipped."""
-    t0 = time.perf_counter()
-    lr = get_lr(it, C)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loops = sample_loops(it, C.seed, C.mean_loops, C.max_loops, C.loop_dist)
-    loss_sum = torch.zeros((), device=C.device)
-    for _ in range(C.gradient_accumulation_steps):
-        x, y = get_batch(C, meta, "train", g_data)
-        with autocast(C.device, C.dtype):
-            loss = model(x, y, loops=loops)[1] / C.gradient_accumulation_steps
-        loss.backward()
-        loss_sum += loss.detach()
-    if C.world > 1:  # one all-reduce per step
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # gloo has no AVG: sum, then divide
-            p.grad /= C.world
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), C.grad_clip or math.inf)
-    finite = torch.isfinite(loss_sum + grad_norm).float()
-    if C.world > 1:  # the same decision on every rank
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-    if finite.item():
-        optimizer.step()
-    else:
-        nonfinite_guard(it, skipped, C.guard_grace_iters, log)
-    optimizer.zero_grad(set_to_none=True)
-    loss = loss_sum.item()
-    if it % C.log_interval == 0:
-        dt = time.perf_counter() - t0
-        tokens = C.gradient_accumulation_steps * C.world * C.batch_size * C.block_size
-        flops = model.flops_per_token(loops, min(loops, C.bptt_k), C.block_size) * tokens
-        mfu = f", mfu {100 * flops / dt / C.peak / C.world:.1f}%" if C.peak else ""
-        log(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, lr {lr:.2e}, "
-            f"{1000 * dt:.0f} ms/iter, {tokens / dt:,.0f} tok/s{mfu}")
-    return it, loops, loss
+def log_metrics(path, figures):
+    """One JSON object a line, appended: a long run's figures outlive its terminal."""
+    with open(path, "a") as f:
+        f.write(json.dumps(figures) + "\n")
 
 
 def main(argv=()):
     """-> [(iter, loops, loss)] of every optimizer step taken."""
-    C, given = configure(globals(), RULES, list(argv))
-    check_device(C.device)
-    C.rank = int(os.environ.get("RANK", 0))  # set by torchrun
-    C.world = int(os.environ.get("WORLD_SIZE", 1))
-    if C.world > 1:
-        dist.init_process_group(backend="nccl" if "cuda" in C.device else "gloo")
-        if "cuda" in C.device:
-            C.device = f"cuda:{os.environ['LOCAL_RANK']}"
-            torch.cuda.set_device(C.device)
-        if C.gradient_accumulation_steps % C.world:
-            die(f"gradient_accumulation_steps must be a multiple of {C.world}")
-        C.gradient_accumulation_steps //= C.world
-    log = print if C.rank == 0 else (lambda *a: None)
-    torch.manual_seed(C.seed + C.rank)
+    C, given = configure([globals()], list(argv))
+    check_settings(C)
+
+    # the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if C.gradient_accumulation_steps % world:
+        raise UserError(f"gradient_accumulation_steps must be a multiple of the {world} ranks")
+    micro_steps = C.gradient_accumulation_steps // world
+    device = C.device
+    if world > 1:
+        dist.init_process_group(backend="nccl" if "cuda" in device else "gloo")
+    if world > 1 and "cuda" in device:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    if rank > 0:  # rank 0 speaks for all
+        sys.stdout = open(os.devnull, "w")
+    torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
+    # float32 matmuls in TF32 on tensor cores, as nanoGPT: 10 mantissa bits are enough for training
     torch.backends.cuda.matmul.allow_tf32 = True
-    model, optimizer, g_data, meta, start, best_val = build(C, given, log)
-    log(f"model: {model.get_num_params() / 1e6:.2f}M unique non-embedding params, "
-        f"{model.get_num_params(False) / 1e6:.2f}M total; loops {C.loop_dist} mean {C.mean_loops} "
-        f"max {C.max_loops}, bptt_k {C.bptt_k}; {C.device} {C.dtype}")
-    with torch.no_grad(), autocast(C.device, C.dtype):  # the paper's hidden dtype bug
-        model(torch.zeros(1, 1, dtype=torch.long, device=C.device), loops=1, state_init="zero")
-    seen = [f"{name.split('.')[0]} {[str(d).removeprefix('torch.') for d in module.seen_dtypes]}"
-            for name, module in model.named_modules() if name.endswith(".0.attn")]
-    log("attention input dtypes (q, k, v): " + ", ".join(seen))
-    if C.compile:  # per part: no recompile per depth
-        log(f"compiling prelude, core and coda ({C.compile_backend})")
-        for part in (model.prelude_blocks, model.core, model.coda_blocks):
-            part.compile(backend=C.compile_backend)
-    C.peak, ceiling = mfu_ceiling(C)
-    log(f"MFU against {C.peak:.3g} FLOP/s ({ceiling})" if C.peak else ceiling)
+
+    # a resumed run's model and data are its checkpoint's; a scratch run never replaces one unasked
+    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
+    ckpt = None
+    saved = {}
+    if C.init_from == "resume":
+        ckpt = read_checkpoint(ckpt_path, C.device)
+        saved = ckpt["model_args"] | {"dataset": ckpt["config"]["dataset"]}
+    elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
+        step = read_checkpoint(ckpt_path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
+        raise UserError(f"{ckpt_path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
+    for key in sorted(given & saved.keys()):  # asked for another model or dataset: refused, never ignored
+        asked = getattr(C, key)
+        if asked != saved[key]:
+            raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
+    dataset = saved.get("dataset", C.dataset)
+
+    # out_dir must take our files: found now, not at the first save
+    metrics_path = os.path.join(C.out_dir, "metrics.jsonl") if rank == 0 else os.devnull
+    try:
+        os.makedirs(C.out_dir, exist_ok=True)
+        open(metrics_path, "a").close()
+    except OSError as err:
+        raise UserError(f"--out_dir={C.out_dir}: {err.strerror}") from None
+    if os.path.isdir(f"{ckpt_path}.tmp"):  # where save_atomic writes first
+        raise UserError(f"{ckpt_path}.tmp is a directory: move it away")
+    if dataset == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
+        if rank == 0:  # the default corpus prepares itself
+            print("no data/shakespeare/ yet: running `python prepare.py` first")
+            prepare.main([])
+        if world > 1:
+            dist.barrier()
+    data_dir, meta = prepare.open_dataset(dataset, ckpt, ckpt_path)
+
+    # the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
+    if ckpt:
+        model = model_from_checkpoint(ckpt_path, ckpt)
+    else:
+        model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{key: getattr(C, key) for key in MODEL_KEYS}))
+    config = model.config
+    optimizer = prepare_model(model, C, device)
+    if world > 1:  # every rank starts from rank 0's weights (each drew its own)
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)  # each rank reads its own batches
+    start = 0
+    best_val = math.inf
+    run_id = os.urandom(8).hex()  # names the run in its checkpoints, and in what is computed from them
+    if ckpt:
+        restore(optimizer, g_data, ckpt, ckpt_path, rank, world)
+        start = ckpt["iter_num"]
+        best_val = ckpt["best_val_loss"]
+        run_id = ckpt["config"].get("run_id", run_id)
+    print(f"model: {model.get_num_params() / 1e6:.2f}M unique non-embedding params, "
+          f"{model.get_num_params(False) / 1e6:.2f}M total; loops {C.loop_dist} mean {config.mean_loops} "
+          f"spread {C.loop_spread} max {config.max_loops}, bptt_k {config.bptt_k}; {device} {C.dtype}")
+    peak, source = mfu_ceiling(C)
+    print(f"MFU against {peak:.3g} FLOP/s ({source})" if peak else source)
+    shape = (C.batch_size, config.block_size)
+    settings = vars(C) | vars(config) | {"dataset": dataset}  # what the run is, to save with each checkpoint
+
     history = []
     skipped = []
-    for it in range(start, C.max_iters):
-        if it % C.eval_interval == 0:
-            best_val = evaluate_and_save(model, optimizer, g_data, C, meta, it, best_val, log)
-        history.append(train_step(model, optimizer, g_data, C, meta, it, log, skipped))
-    evaluate_and_save(model, optimizer, g_data, C, meta, max(start, C.max_iters), best_val, log)
-    if C.world > 1:  # together: a rank leaving early aborted gloo
+    end = max(start, C.max_iters)
+    for it in range(start, end + 1):
+        # evaluate, and save the weights if they are finite
+        if it % C.eval_interval == 0 or it == end:
+            losses = estimate_loss(model, data_dir, meta, shape, C, device)
+            bits = prepare.bits_per_byte(losses["val"], meta)
+            print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
+                  f"val {bits:.4f} bits/byte (loops={config.mean_loops})")
+            figures = {"step": it, "train_loss": losses["train"], "val_loss": losses["val"]}
+            log_metrics(metrics_path, figures | {"val_bits_per_byte": bits})
+            finite = math.isfinite(losses["val"]) and all(p.isfinite().all() for p in model.parameters())
+            if not finite:  # a diverged run keeps its last finite checkpoint
+                print(f"step {it}: non-finite val loss or weights, not saved")
+            elif losses["val"] < best_val or C.always_save_checkpoint:
+                best_val = min(best_val, losses["val"])
+                # every rank's RNG streams go into the checkpoint, so that each rank resumes exactly
+                rngs = gather_rngs(g_data, world)
+                if it > 0 and rank == 0:
+                    checkpoint = {"format": CKPT_FORMAT, "model_args": dict(vars(config)),
+                                  "config": settings | {"dataset_meta": meta, "run_id": run_id},
+                                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                  "iter_num": it, "best_val_loss": best_val, "rng": rngs}
+                    save_atomic(ckpt_path, checkpoint)
+                    print(f"saved checkpoint to {ckpt_path}")
+        if it == end:
+            break
+
+        # one optimizer step, at the depth drawn for it
+        t0 = time.perf_counter()
+        lr = get_lr(it, C)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loops = sample_loops(it, C.seed, config.mean_loops, config.max_loops, C.loop_dist, C.loop_spread)
+        # this rank's share of the step's micro-batches, from its own data stream
+        train_bin = os.path.join(data_dir, "train.bin")
+        batches = [get_batch(train_bin, meta, shape, g_data, device) for _ in range(micro_steps)]
+        loss, stepped = train_step(model, optimizer, batches, loops, C, world)
+        history.append((it, loops, loss))
+        if not stepped:  # bf16 overflows now and then: skip such a step, but not too often
+            skipped.append(it)
+            print(f"iter {it}: non-finite loss or grad norm, optimizer step skipped ({len(skipped)} so far)")
+            check_skips(skipped, it, C.guard_grace_iters)
+        if it % C.log_interval == 0:
+            dt = time.perf_counter() - t0
+            # the step's FLOPs, all ranks' tokens at this depth: 3x the forward in a loop with gradients, 1x without
+            tokens = C.gradient_accumulation_steps * C.batch_size * config.block_size
+            flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
+            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr, "tokens_per_s": tokens / dt}
+            line = (f"iter {it}: loss {loss:.4f}, loops {loops:2d}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
+                    f"{tokens / dt:,.0f} tok/s")
+            if peak:
+                figures["mfu"] = flops / dt / (peak * world)
+                line += f", mfu {figures['mfu']:.1%}"
+            print(line)
+            log_metrics(metrics_path, figures)
+    if world > 1:  # together: a rank that left early aborted gloo
         dist.barrier()
         dist.destroy_process_group()
     return history

@@ -1,55 +1,58 @@
-"""Tests for allocate.py on a tiny model trained here on a byte-level dataset of real English text."""
+"""Tests for allocate.py on a tiny model trained here on a byte-level dataset of real English text.
+References: the paper's masking harness (every token runs every loop, a stopped one held by torch.where),
+hand-made traces, curves and FLOP counts."""
 import copy
 import importlib
 import json
 import os
 import sysconfig
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-import allocate  # noqa: E402
-import train  # noqa: E402
-from evaluate import load_windows, trace  # noqa: E402
-from model import MIN_EXIT_LOOP, exit_score, token_loss  # noqa: E402
-from model import autocast  # noqa: E402
-from model import load_checkpoint  # noqa: E402
+import allocate
+import configurator
+import train
+from configurator import UserError
+from evaluate import load_windows, paired_bootstrap
+from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
-R_MAX = 6  # 2 x the tiny model's mean_loops
+R_MAX = 8  # the tiny model's max_loops
 
 
 @torch.no_grad()
-def masked_exit(model, x, y, r_max, criterion, threshold, probe=None):
-    """The paper's teacher-forced masking harness: every token runs every loop and a frozen token's
+def masked_exit(model, x, y, depth):
+    """The paper's teacher-forced masking harness: every token runs every loop and a stopped token's
     state is held by torch.where, so it keeps serving as key/value to the others, recomputed from its
-    frozen state (the K/V of one loop further than it ran). It saves no work, it only counts it.
-    Returns per-token loss and loops run, (B, T) each."""
+    held state (the K/V of one loop further than it ran). It saves no work, it only counts it.
+    -> per-token loss and loops run, (B, T) each."""
+    test = depth.test
     e = model.prelude(x)
     s = model.init_state(e, "zero")
-    active = torch.ones_like(y, dtype=torch.bool)
-    depth = torch.zeros_like(y)
-    logits = model.readout(s) if criterion == "kl" else None
-    for loop in range(1, r_max + 1):
-        s_new = torch.where(active[..., None], model.core_step(e, s), s)
-        depth += active
-        new_logits = model.readout(s_new) if criterion == "kl" else None
-        if criterion == "kl":  # a frozen token carries the distribution it stopped with
-            new_logits = torch.where(active[..., None], new_logits, logits)
-        if loop >= allocate.MIN_EXIT_LOOP:
-            active &= (probe(s_new) if criterion == "probe" else exit_score(criterion, s_new, s, new_logits, logits)) >= threshold
+    looping = torch.ones_like(y, dtype=torch.bool)
+    loops = torch.zeros_like(y)
+    logits = model.readout(s)
+    for loop in range(1, depth.r_max + 1):
+        s_new = torch.where(looping[..., None], model.core_step(e, s), s)
+        loops += looping
+        new_logits = model.readout(s_new)
+        if test.needs_logits:  # a stopped token carries the distribution it stopped with
+            new_logits = torch.where(looping[..., None], new_logits, logits)
+        if loop >= MIN_EXIT_LOOP:
+            looping &= test.score(s_new, s, new_logits, logits) >= depth.threshold
         s, logits = s_new, new_logits
-    if criterion != "kl":
+    if not test.needs_logits:
         logits = model.readout(s)
-    return token_loss(logits, y), depth
+    return token_loss(logits, y), loops
 
 
 def write_byte_dataset(root):
     """data/tiny/: the standard library's docstrings and licence as bytes (vocab 256, no tokenizer needed)."""
-    mods = "argparse subprocess logging re json pickle typing collections functools textwrap difflib doctest pydoc".split()
-    text = "".join(importlib.import_module(m).__doc__ or "" for m in mods)
+    modules = "argparse subprocess logging re json pickle typing collections functools textwrap difflib doctest pydoc"
+    text = "".join(importlib.import_module(m).__doc__ or "" for m in modules.split())
     text += Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
     ids = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)
     n_val = len(ids) // 10
@@ -57,8 +60,9 @@ def write_byte_dataset(root):
     d.mkdir(parents=True)
     ids[:-n_val].tofile(d / "train.bin")
     ids[-n_val:].tofile(d / "val.bin")
-    (d / "meta.json").write_text(json.dumps({"source": "stdlib", "tokenizer": "bytes", "vocab_size": 256, "eot_id": 0,
-                                             "dtype": "uint16", "train_tokens": len(ids) - n_val, "val_tokens": n_val}))
+    meta = {"source": "stdlib", "tokenizer": "bytes", "vocab_size": 256, "eot_id": 0, "dtype": "uint16",
+            "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+    (d / "meta.json").write_text(json.dumps(meta))
 
 
 def train_tiny(root, steps, loops):
@@ -76,12 +80,18 @@ def train_tiny(root, steps, loops):
 def trained(tmp_path_factory):
     """A tiny model trained for 60 steps (converged enough for the exits to mean something), its dir and data."""
     root = tmp_path_factory.mktemp("alloc")
-    train_tiny(root, 60, ["--n_core=2", "--mean_loops=3", "--max_loops=8", "--bptt_k=4"])
+    train_tiny(root, 60, ["--n_core=2", "--mean_loops=3", f"--max_loops={R_MAX}", "--bptt_k=4"])
     model, _ = load_checkpoint(str(root / "out" / "ckpt.pt"))
     wins = load_windows(str(root / "data/tiny/val.bin"), "uint16", 8, 33, 0)
     return root, model, wins[:, :-1], wins[:, 1:].contiguous()
 
 
+def policy(name, threshold, r_max=R_MAX, probe=None):
+    test = allocate.probe_exit_test(probe) if name == "probe" else EXIT_TESTS[name]
+    return DepthPolicy(test, threshold, r_max)
+
+
+# ---- curves and intervals on hand-made data -------------------------------------------
 def test_interpolation_on_a_hand_made_curve():
     curve = [(4, 3.0), (1, 4.0), (8, 2.9), (2, 3.5)]  # unsorted on purpose
     assert allocate.interp_loss(curve, 3) == pytest.approx(3.25)
@@ -94,33 +104,13 @@ def test_interpolation_on_a_hand_made_curve():
     assert allocate.cost_at_loss([(1, 3.0), (2, 2.0), (3, 3.0), (4, 1.0)], 2.5) == pytest.approx(1.5)  # first crossing
 
 
-def test_thresholds_are_placed_within_the_tolerance_of_each_target():
-    """A synthetic policy: loops fall smoothly from 8 to 2 as the threshold rises over decades."""
-    calls = []
-
-    def measure_at(t):
-        calls.append(t)
-        depth = np.full(4, 2 + 6 / (1 + (t / 1e-3) ** 0.7))
-        return 5 - 0.1 * depth, depth, 1e6 * depth
-    points = {t: measure_at(t) for t in (1e-5, 1e-1)}
-    for target in (3.0, 4.5, 6.0, 7.5):
-        allocate.place(measure_at, points, 1, target, 0.05)
-        assert min(abs(p[1].mean() - target) for p in points.values()) <= 0.05
-    allocate.place(measure_at, points, 2, 5.2e6, 0.05)  # on FLOPs
-    assert min(abs(p[2].mean() - 5.2e6) for p in points.values()) <= 0.05e6
-    allocate.place(measure_at, points, 0, 4.55, 0.05)  # on loss (rises with the threshold)
-    assert min(abs(p[1].mean() - 4.5) for p in points.values()) <= 0.05
-    n = len(calls)
-    allocate.place(measure_at, points, 1, 1.5, 0.05)  # below the grid (2 loops): left unmeasured
-    assert len(calls) == n and n <= 20
-
-
-def test_bootstrap_interval_on_a_synthetic_pair():
-    """A1 is A0 minus 0.05 nats on every window, plus noise. Over 40 synthetic evaluations the paired 95%
-    interval holds the true -0.05 about 95% of the time, and it narrows as the windows grow (~1/sqrt(n))."""
-    def stat(pw):
-        return pw["A1"][0][0].mean() - pw["A0"][0][0].mean()
-
+def test_paired_bootstrap_on_a_synthetic_pair():
+    """A1 is A0 minus 0.05 nats on every window, plus small noise; the windows vary much more (sd 0.3).
+    The paired 95% interval holds the true -0.05 about 95% of the time, it is narrow because the pairs
+    share their windows' difficulty (resampled apart, it would be ~8x wider), and it narrows as the
+    windows grow (~1/sqrt(n))."""
+    def stat(per_window):
+        return per_window["A1", "loss"][0].mean() - per_window["A0", "loss"][0].mean()
     widths, covered = {}, 0
     for n in (64, 1024):
         widths[n] = []
@@ -128,20 +118,19 @@ def test_bootstrap_interval_on_a_synthetic_pair():
             g = np.random.default_rng(1000 * n + trial)
             a0 = g.normal(3.0, 0.3, n)
             a1 = a0 - 0.05 + g.normal(0, 0.05, n)
-            ones = np.ones((1, n))
-            est = allocate.estimate(stat, {"A0": (a0[None], ones), "A1": (a1[None], ones)}, 500, trial)
-            low, high = est["interval"]
-            assert low <= est["value"] <= high
+            estimate = paired_bootstrap(stat, {("A0", "loss"): a0[None], ("A1", "loss"): a1[None]}, 500, trial)
+            low, high = estimate["interval"]
+            assert low <= estimate["value"] <= high
             covered += n == 64 and low < -0.05 < high
             widths[n].append(high - low)
     assert covered >= 34  # 95% nominal; 34 of 40 leaves room for chance
+    assert np.mean(widths[64]) < 0.04  # unpaired: ~0.2
     assert np.mean(widths[1024]) < 0.4 * np.mean(widths[64])
 
 
 def test_undefined_statistics_have_no_interval():
-    ones = np.ones((1, 8))
-    pw = {"A0": (ones, ones)}
-    assert allocate.estimate(lambda pw: None, pw, 100, 0) == {"value": None, "interval": None}
+    per_window = {("A0", "loss"): np.ones((1, 8))}
+    assert paired_bootstrap(lambda pw: None, per_window, 100, 0) == {"value": None, "interval": None}
 
 
 def test_label_harvester_on_crafted_argmaxes():
@@ -154,89 +143,90 @@ def test_probe_learns_a_separable_toy_problem():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(600, 5, generator=g) * torch.tensor([1.0, 3.0, 0.1, 1.0, 1.0]) + 2.0  # unstandardised on purpose
     y = (x[:, 0] - 2.0) + 0.5 * (x[:, 1] - 2.0) > 0.3
-    prob, accuracy, majority = allocate.fit_probe(x[:500], y[:500], x[500:], y[500:], steps=300)
+    probe, accuracy, majority = allocate.fit_probe(x[:500], y[:500], x[500:], y[500:], steps=300)
     assert accuracy > 0.95 and majority < 0.75
-    assert ((prob(x) > 0.5) == y).float().mean() > 0.95
+    assert ((probe(x) > 0.5) == y).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("engine", [masked_exit, allocate.realized_exit])
-def test_threshold_zero_is_a0_at_r_max_and_huge_is_loop_2(trained, engine):
+def test_policies_are_read_off_a_hand_made_trace(trained):
+    """Two windows of two tokens, r_max 4. A token stops after the first loop from 2 whose score is below
+    the threshold (else at r_max) and scores the loss it had after that loop."""
+    model = trained[1]  # for its FLOP count
+    loss = torch.tensor([[[4.0, 4.0], [3.0, 5.0]], [[3.0, 3.0], [2.0, 4.0]],
+                         [[2.0, 2.0], [1.0, 3.0]], [[1.0, 1.0], [0.5, 2.0]]])  # (loops, windows, tokens)
+    kl = torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[0.5, 0.2], [0.05, 0.9]],
+                       [[0.05, 0.3], [0.01, 0.9]], [[0.01, 0.01], [0.0, 0.9]]])  # loop 1's is never read
+    traced = {"loss": loss, "A1": kl}
+    tests = {"A1": EXIT_TESTS["kl"]}
+    per_window, settings = allocate.read_policies(model, traced, tests, {"A1": [0.1]})
+    # window 0: tokens stop after loops 3 and 4; window 1: after loops 2 and 4 (never below: r_max)
+    assert per_window["A1", "loops"].tolist() == [[3.5, 3.0]]
+    assert per_window["A1", "loss"].tolist() == [[(2.0 + 1.0) / 2, (2.0 + 2.0) / 2]]
+    assert per_window["A0", "loss"][:, 0].tolist() == [4.0, 3.0, 2.0, 1.0]
+    assert settings["A0"] == [1, 2, 3, 4] and settings["A1"] == [0.1]
+    T = 2
+    assert per_window["A1", "flops"][0, 0] == model.inference_flops(3.5, T, EXIT_TESTS["kl"])
+
+
+def harness_and_reading(model, X, Y, name, threshold, probe=None):
+    """The masking harness and allocate's reading of the trace, for one policy at one threshold."""
+    C = SimpleNamespace(batch_size=4)
+    wins = torch.cat([X, Y[:, -1:]], dim=1)
+    traced = allocate.exit_scores(model, wins, C, R_MAX, probe)
+    test = allocate.probe_exit_test(probe) if name == "A2" else EXIT_TESTS["kl" if name == "A1" else "state"]
+    per_window, _ = allocate.read_policies(model, traced, {name: test}, {name: [threshold]})
+    masked = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
+    return per_window, masked, traced
+
+
+@pytest.mark.parametrize("name", ["A1", "A1s"])
+def test_threshold_zero_is_a0_at_r_max_and_huge_is_loop_2(trained, name):
     _, model, X, Y = trained
-    tr = trace(model, X, Y, R_MAX)
-    loss, depth = engine(model, X, Y, R_MAX, "kl", 0.0)[:2]
-    assert torch.all(depth == R_MAX)
-    torch.testing.assert_close(loss, tr["loss"][-1], rtol=0, atol=1e-5)
-    for criterion, probe in (("kl", None), ("state", None), ("probe", lambda s: s[..., 0] * 0)):
-        loss, depth = engine(model, X, Y, R_MAX, criterion, 1e9, probe)[:2]
-        assert torch.all(depth == 2)  # no exit before loop 2, whatever the policy
-        torch.testing.assert_close(loss, tr["loss"][1], rtol=0, atol=1e-5)
+    for threshold, loop in ((0.0, R_MAX), (1e9, MIN_EXIT_LOOP)):
+        per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold)
+        assert (per_window[name, "loops"] == loop).all() and (masked_loops == loop).all()
+        np.testing.assert_allclose(per_window[name, "loss"][0], per_window["A0", "loss"][loop - 1])
+        np.testing.assert_allclose(per_window[name, "loss"][0], masked_loss.double().mean(1).numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("criterion", ["kl", "state"])
-def test_frozen_tokens_stop_changing(trained, criterion):
+@pytest.mark.parametrize("name", ["A1", "A1s"])
+def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
     _, model, X, Y = trained
-    tr = trace(model, X, Y, R_MAX)
-    eps = (tr["kl"] if criterion == "kl" else tr["dstate_rel"])[2].median().item()  # freezes about half by loop 3
-    short_loss, short_depth = masked_exit(model, X, Y, 4, criterion, eps)
-    loss, depth = masked_exit(model, X, Y, 8, criterion, eps)
-    frozen = short_depth < 4  # frozen before the short run's last loop
-    assert 0.2 < frozen.float().mean() < 1 and torch.all(depth[~frozen] >= 4) and (depth > 4).any()
-    assert torch.equal(depth[frozen], short_depth[frozen])
-    if criterion == "kl":  # four more loops did not change their carried distributions
-        assert torch.equal(loss[frozen], short_loss[frozen])
+    test = EXIT_TESTS["kl" if name == "A1" else "state"]
+    traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
+    threshold = traced[name][2].median().item()  # about half stop by loop 3
+    short_loss, short_loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, 4))
+    loss, loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
+    stopped = short_loops < 4  # stopped before the short run's last loop
+    assert 0.2 < stopped.float().mean() < 1 and torch.all(loops[~stopped] >= 4) and (loops > 4).any()
+    assert torch.equal(loops[stopped], short_loops[stopped])
+    if name == "A1":  # four more loops did not change their carried distributions
+        assert torch.equal(loss[stopped], short_loss[stopped])
 
 
-@pytest.mark.parametrize("criterion", ["kl", "state", "probe"])
-def test_batched_realized_equals_batch_1_and_matches_the_masking_harness(trained, criterion):
+@pytest.mark.parametrize("name", ["A1", "A1s", "A2"])
+def test_the_reading_matches_the_masking_harness(trained, name):
+    """The reading's only difference from the paper's harness is by design (README): a token is read as if
+    alone, where in the harness the others see its held state once it stops. On this model, at a threshold
+    where the exits really differ, it moves the mean loss by under 0.002 nats and the mean loops by under 0.1."""
     _, model, X, Y = trained
-    model = copy.deepcopy(model).double()  # float64: batch shapes cannot flip a decision by rounding
-    tr = trace(model, X, Y, R_MAX, keep_states=True)
-    probe = lambda s: torch.sigmoid(s[..., 0].float() * 3)  # noqa: E731  any function of the state
-    scores = {"kl": tr["kl"], "state": tr["dstate_rel"], "probe": probe(tr["state"])}
-    eps = scores[criterion][2].float().median().item()
-    evals = []  # tokens each core call carries
-    core_step = model.core_step
-    causal = []  # whether each call took the plain causal path (no positions: every token active)
-    model.core_step = lambda e, *a: evals.append(e.shape[:2].numel()) or causal.append(len(a) == 2) or core_step(e, *a)
-    loss, depth = allocate.realized_exit(model, X, Y, R_MAX, criterion, eps, probe)
-    model.core_step = core_step
-    for i in range(len(X)):  # token for token, window by window
-        one_loss, one_depth = allocate.realized_exit(model, X[i:i + 1], Y[i:i + 1], R_MAX, criterion, eps, probe)
-        assert torch.equal(one_depth[0], depth[i])
-        torch.testing.assert_close(one_loss[0], loss[i], rtol=0, atol=1e-12)
-    masked_loss, masked_depth = masked_exit(model, X, Y, R_MAX, criterion, eps, probe)
-    assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.005  # they differ only in frozen tokens' K/V
-    assert abs(depth.float().mean().item() - masked_depth.float().mean().item()) < 0.25
-    assert depth.sum().item() <= sum(evals) < 0.8 * Y.numel() * R_MAX  # frozen tokens cost nothing (padding aside)
-    assert causal[:MIN_EXIT_LOOP] == [True] * MIN_EXIT_LOOP and not all(causal)
-    assert all(n == Y.numel() for n, c in zip(evals, causal) if c)
+
+    def probe(s):  # any function of the state
+        return torch.sigmoid(s[..., 0].float() * 3)
+    traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX, probe)
+    threshold = traced[name][2].median().item()
+    per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold, probe)
+    assert 2.5 < masked_loops.float().mean() < R_MAX - 0.5  # the exits really differ
+    assert abs(per_window[name, "loss"].mean() - masked_loss.double().mean().item()) < 0.002
+    assert abs(per_window[name, "loops"].mean() - masked_loops.double().mean().item()) < 0.1
 
 
-def test_main_writes_json_tables_in_loops_and_flops_and_plot(trained, monkeypatch):
-    root, model, *_ = trained
-    monkeypatch.chdir(root)
-    res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=4",
-                         "--probe_steps=50", "--bootstrap=50", "--plot"])
-    saved = json.loads((root / "out" / "allocate.json").read_text())
-    assert (root / "out" / "allocate.png").stat().st_size > 0
-    assert saved["r_max"] == R_MAX and saved["bar"] == saved["curves"]["A0"][2]["loss"] == res["bar"]
-    assert [p["avg_depth"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
-    assert saved["checkpoint"]["id"].endswith("@60")
-    for key in ("A1", "A1s", "A2"):
-        assert len(saved["curves"][key]) >= 4
-        assert all(2 <= p["avg_depth"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][key])
-        depths = sorted(p["avg_depth"] for p in saved["curves"][key])
-        for d in [row["avg_depth"] for row in saved["table"] if depths[0] <= row["avg_depth"] <= depths[-1]]:
-            assert min(abs(x - d) for x in depths) <= 0.05 + 1e-9  # read at a measurement, not interpolated
-    assert [row["avg_depth"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
-    # the same rows at matched FLOPs: uniform depth's FLOPs at those depths
-    flops = [model.inference_flops(d, 32) for d in (3 * f / 8 for f in range(3, 8))]
-    assert [row["cost"] for row in saved["table_flops"]] == pytest.approx(flops)
-    assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
-    a1 = saved["curves"]["A1"][0]  # the KL exit pays a readout and a test every loop
-    d = a1["avg_depth"]
-    assert a1["flops"] == pytest.approx(model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256))
-    assert len(saved["per_window"]["A1"]) == 3 and len(saved["per_window"]["A1"][0][0]) == 6
+def test_the_trace_runs_under_bf16_autocast_with_float32_scores(trained):
+    _, model, X, Y = trained
+    with autocast("cpu", "bfloat16"):
+        traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
+    assert traced["loss"].dtype == traced["A1"].dtype == traced["A1s"].dtype == torch.float32
+    assert torch.isfinite(traced["loss"]).all() and (traced["A1"][1:] >= 0).all()
 
 
 def test_policy_flops_on_a_hand_count(trained):
@@ -248,46 +238,68 @@ def test_policy_flops_on_a_hand_count(trained):
     assert model.flop_terms(T) == (prelude, core, readout)
     assert model.inference_flops(3, T) == prelude + 3 * core + readout
     kl = prelude + 3 * core + 3 * readout + 2 * 8 * V  # three readouts, two KL tests (loops 2 and 3)
-    assert model.inference_flops(3, T, "kl") == kl
-    assert model.inference_flops(3, T, "state") == prelude + 3 * core + readout + 2 * 6 * d
-    assert model.inference_flops(3, T, "probe") == prelude + 3 * core + readout + 2 * 4 * d
+    assert model.inference_flops(3, T, EXIT_TESTS["kl"]) == kl
+    assert model.inference_flops(3, T, EXIT_TESTS["state"]) == prelude + 3 * core + readout + 2 * 6 * d
+    probe = allocate.probe_exit_test(lambda s: s[..., 0])
+    assert model.inference_flops(3, T, probe) == prelude + 3 * core + readout + 2 * 4 * d
 
 
-@pytest.mark.parametrize("criterion", ["kl", "state"])
-def test_realized_engine_runs_under_bf16_autocast_with_a_float32_state(trained, criterion):
-    _, model, X, Y = trained
-    with autocast("cpu", "bfloat16"):
-        loss, depth = allocate.realized_exit(model, X, Y, R_MAX, criterion, 1e-3)
-        masked_loss, _ = masked_exit(model, X, Y, R_MAX, criterion, 1e-3)
-    assert loss.dtype == torch.float32 and torch.isfinite(loss).all() and (depth >= 2).all()
-    assert abs(loss.mean().item() - masked_loss.mean().item()) < 0.05
+# ---- the command line -----------------------------------------------------------------------------
+def test_main_writes_json_with_tables_in_loops_and_flops(trained, monkeypatch):
+    root, model, *_ = trained
+    monkeypatch.chdir(root)
+    res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=12",
+                         "--probe_steps=50", "--bootstrap=50"])
+    saved = json.loads((root / "out" / "allocate.json").read_text())
+    assert saved["r_max"] == R_MAX and saved["args"]["r_max"] == 0  # the model's max_loops, recorded
+    assert saved["bar"] == saved["curves"]["A0"][2]["loss"] == res["bar"]
+    assert [p["loops"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
+    assert saved["checkpoint"]["id"].endswith("@60")
+    for name in ("A1", "A1s", "A2"):
+        assert len(saved["curves"][name]) == 12
+        assert all(2 <= p["loops"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][name])
+    assert [row["loops"] for row in saved["tables"]["loops"]] == [3 * f / 8 for f in range(3, 8)]
+    flops = [model.inference_flops(d, 32) for d in (3 * f / 8 for f in range(3, 8))]  # uniform depth's
+    assert [row["cost"] for row in saved["tables"]["flops"]] == pytest.approx(flops)
+    assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
+    a1 = saved["curves"]["A1"][0]  # the KL exit pays a readout and a test every loop
+    d = a1["loops"]
+    assert a1["flops"] == pytest.approx(model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256))
+    assert len(saved["per_window"]["A1 loss"]) == 12 and len(saved["per_window"]["A1 loss"][0]) == 6
 
 
-def test_settings_sweep_is_one_line_or_a_run(trained, monkeypatch, capsys):
+def one_line_error(capsys, *args):
+    """allocate.py with args must refuse them: exit 2 and one line on stderr, through configurator.run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", ["allocate.py", *args])
+        with pytest.raises(SystemExit) as exit_:
+            configurator.run(allocate.main)
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    return stderr
+
+
+def test_numeric_settings_refuse_odd_values_in_one_line(trained, monkeypatch, capsys):
     monkeypatch.chdir(trained[0])
-    numeric = [k for k, rule in allocate.RULES.items() if isinstance(rule, tuple) and not isinstance(rule[0], str)]
+    numeric = [k for k, (default, _) in configurator.read_settings(vars(allocate)).items()
+               if type(default) in (int, float)]
     for key in numeric:
         for value in ("-1", "1e999", "nan", "True", "'x'"):
-            with pytest.raises(SystemExit) as exc:
+            with pytest.raises(UserError) as err:
                 allocate.main(["--out_dir=out", f"--{key}={value}"])
-            err = capsys.readouterr().err
-            assert exc.value.code == 2 and err.startswith("error:") and err.count("\n") == 1, (key, value, err)
+            assert f"--{key}" in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("args", [["--out_dir=nowhere"], ["--out_dir=out", "--r_max=-1"], ["--out_dir=out", "--r_max=2"],
                                   ["--out_dir=out", "--windows=1000000"], ["--out_dir=out", "--r_max=x"],
                                   ["--out_dir=out", "--dtype=float16"], ["--out_dir=out", "--device=cpu:0"]])
-def test_bad_input_exits_with_one_line(trained, monkeypatch, capsys, args):
+def test_bad_input_is_one_line(trained, monkeypatch, capsys, args):
     monkeypatch.chdir(trained[0])
-    with pytest.raises(SystemExit) as exc:
-        allocate.main(args)
-    assert exc.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    one_line_error(capsys, *args)
 
 
-def test_checkpoint_without_its_dataset_exits(trained, tmp_path, monkeypatch, capsys):
+def test_checkpoint_without_its_dataset_is_one_line(trained, tmp_path, monkeypatch, capsys):
     (tmp_path / "out").mkdir()
     os.link(trained[0] / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exc:
-        allocate.main(["--out_dir=out"])
-    assert exc.value.code == 2 and "data/tiny" in capsys.readouterr().err
+    assert "data/tiny" in one_line_error(capsys, "--out_dir=out")
