@@ -16,10 +16,10 @@ matched average loops and at matched FLOPs per token, with paired bootstrap 95% 
 """
 import os
 import time
+from math import inf
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from configurator import UserError, configure, run
 from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, trace
@@ -32,15 +32,14 @@ train_windows = 32  # windows from train.bin for A2's probe and the threshold gr
 r_max = 0  # the deepest loop any policy may run; 0: the model's max_loops (the paper's r_max)
 batch_size = 8  # windows per forward
 n_grid = 48  # thresholds per exit, geometric over the range of its scores on the train windows
-probe_steps = 300  # full-batch Adam steps for A2's logistic probe
 bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
-RULES = dict(windows=(1, 2 ** 20), train_windows=(2, 2 ** 20), r_max=(0, 1024), batch_size=(1, 4096),
-             n_grid=(2, 10 ** 4), probe_steps=(1, 10 ** 6), bootstrap=(10, 10 ** 6), seed=(0, 2 ** 32 - 1),
-             dtype=("float32", "bfloat16"))
+RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
+             bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"))
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
+SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score in exit_scores' trace
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched tables' rows, in units of mean_loops
 
 
@@ -51,24 +50,18 @@ def harvest_labels(argmax):
     return torch.stack(later)
 
 
-def fit_probe(x_fit, y_fit, x_held, y_held, steps):
-    """Logistic regression on standardised features, full-batch Adam from zeros. x (N, d), y (N,)
-    bool -> (P(label | state) as a function, held-out accuracy, majority-class accuracy)."""
+def fit_probe(x_fit, y_fit, x_held, y_held):
+    """A linear probe, least squares on standardised features (closed form: no steps to tune).
+    x (N, d), y (N,) bool -> (the probe: states (..., d) -> its score, ~P(label)), held-out accuracy,
+    the majority class's accuracy)."""
     mu = x_fit.mean(0)
     sd = x_fit.std(0).clamp_min(1e-6)
-    w = torch.zeros(x_fit.size(1), requires_grad=True)
-    b = torch.zeros((), requires_grad=True)
-    optimizer = torch.optim.Adam([w, b], lr=0.05)
-    z_fit = (x_fit - mu) / sd
-    with torch.enable_grad():
-        for _ in range(steps):
-            optimizer.zero_grad()
-            F.binary_cross_entropy_with_logits(z_fit @ w + b, y_fit.float()).backward()
-            optimizer.step()
+    with_bias = torch.cat([(x_fit - mu) / sd, torch.ones(len(x_fit), 1)], dim=1)
+    w = torch.linalg.lstsq(with_bias.double(), y_fit.double()[:, None]).solution[:, 0].float()
 
     def probe(s):  # float32, whatever the autocast
         z = (s.float() - mu.to(s.device)) / sd.to(s.device)
-        return torch.sigmoid(z @ w.detach().to(s.device) + b.detach())
+        return z @ w[:-1].to(s.device) + w[-1].item()
 
     rate = y_held.float().mean().item()
     accuracy = ((probe(x_held) > 0.5) == y_held).float().mean().item()
@@ -84,20 +77,18 @@ def probe_exit_test(probe):
 
 
 def exit_scores(model, wins, C, r_max, probe=None):
-    """Trace windows (n, T + 1) to r_max from a zero state -> (r_max, n, T) each on the CPU: the
-    loss after every loop, the exits' scores (A1's KL, A1s's state change, A2's probe if given),
-    and the argmax (for A2's labels)."""
-    parts = {"loss": [], "A1": [], "A1s": [], "A2": [], "argmax": [], "state": []}
+    """Trace windows (n, T + 1) to r_max from a zero state -> (r_max, n, T) each, on the CPU: the
+    loss, the exits' scores (kl, dstate_rel and, with a probe, A2's) and the argmax after every
+    loop; without a probe, the states instead of its scores (to fit one on)."""
+    parts = {"loss": [], "kl": [], "dstate_rel": [], "argmax": [], "probe": [], "state": []}
     for batch in wins.split(C.batch_size):
         traced = trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True)
-        parts["loss"].append(traced["loss"].cpu())
-        parts["A1"].append(traced["kl"].cpu())
-        parts["A1s"].append(traced["dstate_rel"].cpu())
-        parts["argmax"].append(traced["argmax"].cpu())
-        if probe is None:  # the probe's own training windows: keep their states to fit it on
+        for key in ("loss", "kl", "dstate_rel", "argmax"):
+            parts[key].append(traced[key].cpu())
+        if probe is None:
             parts["state"].append(traced["state"].float().cpu())
-        else:  # the states themselves are too big to keep: r_max x n x T x d
-            parts["A2"].append(probe(traced["state"]).cpu())
+        else:  # not the states themselves: r_max x n x T x d is too big to keep
+            parts["probe"].append(probe(traced["state"]).cpu())
     return {key: torch.cat(values, 1) for key, values in parts.items() if values}
 
 
@@ -118,35 +109,33 @@ def fit_router(model, train_wins, C, r_max):
     n_fit = min(round(0.8 * len(train_wins)), len(train_wins) - 1)
     fit = (states[:, :n_fit].flatten(0, 2), labels[:, :n_fit].flatten())
     held = (states[:, n_fit:].flatten(0, 2), labels[:, n_fit:].flatten())
-    probe, accuracy, majority = fit_probe(*fit, *held, C.probe_steps)
-    grids = {"A1": log_grid(traced["A1"][1:], C.n_grid), "A1s": log_grid(traced["A1s"][1:], C.n_grid),
+    probe, accuracy, majority = fit_probe(*fit, *held)
+    grids = {"A1": log_grid(traced["kl"][1:], C.n_grid), "A1s": log_grid(traced["dstate_rel"][1:], C.n_grid),
              "A2": log_grid(probe(states[:, n_fit:]).flatten(), C.n_grid)}
     return probe, grids, {"accuracy": accuracy, "majority": majority}
 
 
 def read_policies(model, traced, tests, grids):
-    """Every policy's points, read off the trace: per window (points, windows) arrays of the mean
-    loss, loops and FLOPs per token -> per_window {(policy, "loss" | "loops" | "flops"): array},
-    and each policy's settings (A0's depths, the exits' thresholds)."""
+    """Every policy's points read off the trace -> per_window {(policy, "loss" | "loops" | "flops"):
+    (points, windows) array}: each window's mean loss, loops and FLOPs per token at each of A0's
+    depths r = 1..r_max and at each of an exit's thresholds."""
     r_max, n, T = traced["loss"].shape
     uniform_loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], n, 1)
     per_window = {("A0", "loss"): traced["loss"].double().mean(2).numpy(),
                   ("A0", "loops"): uniform_loops,
                   ("A0", "flops"): model.inference_flops(uniform_loops, T)}
-    settings = {"A0": list(range(1, r_max + 1))}
     for policy, test in tests.items():
+        scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]  # no exit before loop 2
         losses, loops = [], []
         for threshold in grids[policy]:
-            # no exit before loop 2: exit_depth reads the scores of loops 2..r_max
-            depth = exit_depth(traced[policy][MIN_EXIT_LOOP - 1:], threshold)  # (n, T)
-            loss = traced["loss"].gather(0, depth[None] - 1)[0]
+            depth = exit_depth(scores, threshold)  # (n, T): loops each token runs
+            loss = traced["loss"].gather(0, depth[None] - 1)[0]  # each token's after its last loop
             losses.append(loss.double().mean(1).numpy())
             loops.append(depth.double().mean(1).numpy())
         per_window[policy, "loss"] = np.stack(losses)
         per_window[policy, "loops"] = np.stack(loops)
         per_window[policy, "flops"] = model.inference_flops(per_window[policy, "loops"], T, test)
-        settings[policy] = grids[policy]
-    return per_window, settings
+    return per_window
 
 
 # ---- curves and statistics: per_window[policy, measure] is (points, windows); a statistic
@@ -229,9 +218,9 @@ def summarize(per_window, C, mean):
 
 # ---- the report
 def show(estimate, digits=4, sign="+", scale=1):
-    """'value [low, high]' of an estimate (divided by scale), or 'never'."""
+    """'value [low, high]' of an estimate (divided by scale), or '-' where it has no value."""
     if estimate["value"] is None:
-        return "never"
+        return "-"
     text = f"{estimate['value'] / scale:{sign}.{digits}f}"
     if estimate["interval"] is not None:
         low, high = (v / scale for v in estimate["interval"])
@@ -240,22 +229,24 @@ def show(estimate, digits=4, sign="+", scale=1):
 
 
 def print_report(res):
-    print(f"\n## Allocation against uniform depth ({res['windows']} windows, zero init, r_max {res['r_max']}); "
-          f"the bar: uniform r={res['mean_loops']}, loss {res['bar']:.4f}\n")
-    print("Loss minus A0's at equal loops, then at equal FLOPs per token; an interval holding 0 is no difference.\n")
-    exits = ("A1", "A1s", "A2")
+    print(f"\n## Allocation against uniform depth: {res['windows']} windows, r_max {res['r_max']}; the bar is "
+          f"uniform r={res['mean_loops']}'s loss, {res['bar']:.4f}\n")
+    print("Each exit's loss minus A0's at equal average loops, then at equal FLOPs per token (-: outside its "
+          "range; an interval holding 0 is no difference); where each reaches the bar (-: never), and what it saves.")
+    exits = ["A1", "A1s", "A2"]
     for cost, scale in (("loops", 1), ("flops", 1e6)):
         rows = []
         for row in res["tables"][cost]:
-            uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"
-            deltas = ["-" if row[p]["value"] is None else show(row[p]) for p in exits]
-            rows.append([f"{row['cost'] / scale:.4g}", uniform] + deltas)
-        rows.append(["reaches the bar at"] + [show(res["at_bar"][p][cost], 2, "", scale) for p in POLICIES])
-        rows.append(["saved at the bar", ""] + [show(res["at_bar"][p][f"{cost}_saved"], 3) for p in exits])
+            uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # below r = 1
+            cells = [f"{row['cost'] / scale:.4g}", uniform]
+            rows.append(cells + [show(row[policy]) for policy in exits])
+        at_bar = res["at_bar"]
+        rows.append(["reaches the bar at"] + [show(at_bar[policy][cost], 2, "", scale) for policy in POLICIES])
+        rows.append(["saves at the bar", ""] + [show(at_bar[policy][f"{cost}_saved"], 3) for policy in exits])
         header = "avg loops" if cost == "loops" else "MFLOP/token"
-        print(markdown([header, "A0 loss"] + [f"{POLICIES[p]} - A0" for p in exits], rows) + "\n")
+        print("\n" + markdown([header, "A0 loss"] + [f"{POLICIES[policy]} - A0" for policy in exits], rows))
     probe = res["probe"]
-    print(f"A2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
+    print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
 
 
 def main(argv=()):
@@ -279,23 +270,16 @@ def main(argv=()):
         probe, grids, probe_info = fit_router(model, train_wins.to(C.device), C, r_max)
         traced = exit_scores(model, wins.to(C.device), C, r_max, probe)
     tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
-    per_window, settings = read_policies(model, traced, tests, grids)
+    per_window = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": {"path": ckpt_path, "id": checkpoint_id(ckpt)},
            "mean_loops": mean, "r_max": r_max, "windows": C.windows, "probe": probe_info}
     res |= summarize(per_window, C, mean)
-    res["curves"] = {}
-    for policy, points in settings.items():
-        res["curves"][policy] = []
-        for i, setting in enumerate(points):  # A0's depth r, or an exit's threshold
-            point = {"threshold": setting}
-            for measure in ("loops", "flops", "loss"):
-                point[measure] = per_window[policy, measure][i].mean()
-            res["curves"][policy].append(point)
     print_report(res)
+    # every point of every curve, window by window: A0's depths r, an exit's thresholds
+    res["settings"] = {"A0": list(range(1, r_max + 1))} | grids
     res["per_window"] = {f"{policy} {measure}": array.tolist() for (policy, measure), array in per_window.items()}
-    res["seconds"] = time.perf_counter() - started
     save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
-    print(f"\nwrote {C.out_dir}/allocate.json in {res['seconds']:.0f}s")
+    print(f"\nwrote {C.out_dir}/allocate.json in {time.perf_counter() - started:.0f}s")
     return res
 
 

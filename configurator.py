@@ -75,6 +75,8 @@ def parse_argv(argv, defaults):
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
+            if not arg.endswith(".py"):  # a config file is run as Python: never a text file by mistake
+                raise UserError(f"{arg!r}: expected --key=value or a config file ending in .py")
             given |= read_config_file(arg)
             continue
         key, has_value, text = arg[2:].partition("=")
@@ -101,7 +103,8 @@ def configure(scripts, argv):
     if "--help" in argv:
         print(scripts[-1]["__doc__"].strip() + "\n\nsettings (--key=value):")
         for key, (default, comment) in settings.items():
-            print(f"  --{key}={default!r:<20} {comment}")
+            setting = f"--{key}={default!r}"
+            print(f"  {setting:<32} {comment}")
         sys.exit(0)
     given = parse_argv(argv, defaults)
     for key, value in given.items():

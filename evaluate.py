@@ -1,13 +1,10 @@
 """A checkpoint on its validation split: how its loss and its tokens depend on the depth.
 
-One pass over the windows, loop by loop from the initial noise of training (`trace`), gives the sweep
-(the loss at each loop count), the saturation depth read from it, the convergence pass (per loop:
-successive KL, state change, tokens still moving) and depth by token class; tokens/s at batch 1 are
-timed apart. Tables, and every number in out_dir/eval.json.
+One pass over the windows, loop by loop from training's initial noise (`trace`), gives the sweep (the loss at
+each loop count), the convergence table and depth by token class; tokens/s at batch 1 are timed apart.
 
-    python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8
+    python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8  # every number: out_dir/eval.json
 """
-import functools
 import math
 import os
 import time
@@ -27,27 +24,19 @@ loops = ""  # the sweep, e.g. "1,2,4,8" (1 and mean_loops always in it); "": 1, 
 diag_loops = 0  # loops of the convergence table and the token classes; 0: 2 x mean_loops
 windows = 64  # validation windows of block_size + 1 tokens
 batch_size = 8  # windows per forward
-saturation_tolerance = 0.01  # nats above the best depth's loss that the saturation depth may lose
-bootstrap = 1000  # paired resamples of the windows for the saturation intervals
 timing_windows = 4  # batch-1 forwards timed per loop count
-seed = 1337  # picks the windows, the initial noise and the resamples
+seed = 1337  # picks the windows and the initial noise
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail (~1e-5), where it is read
-RULES = {
-    "windows": (1, math.inf),
-    "batch_size": (1, math.inf),
-    "bootstrap": (10, math.inf),
-    "timing_windows": (1, math.inf),
-    "seed": (0, 2 ** 63 - 1),  # what torch.Generator takes
-    "dtype": ("float32", "bfloat16"),
-}
+RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "timing_windows": (1, math.inf),
+         "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16")}  # a seed torch.Generator takes
 MOVING_KL = 1e-3  # the paper's "still moving" line and its token classes' exit, fixed so that runs compare
 CLASSES = ("space", "numeral", "punctuation", "word")
 
 
 def loop_counts(text, mean):
-    """The sweep, sorted; always r=1 (the useful range starts there) and mean_loops (the speed reference)."""
-    if not text:  # out to 4 x mean_loops: the saturation depth is read over r <= 4 x mean
+    """The sweep, sorted; always r=1 (the shallowest) and mean_loops (the speed reference)."""
+    if not text:  # out to 4 x mean_loops: far enough past training's depth to see the curve flatten
         return sorted({1, 2, max(1, mean // 2), mean, 2 * mean, 4 * mean})
     counts = {1, mean}
     for part in text.split(","):
@@ -97,7 +86,7 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
         logits = model.readout(s)
         out["loss"].append(token_loss(logits, y))
         if previous is None:  # loop 1 has nothing to compare with: never "converged"
-            out["kl"].append(torch.full(y.shape, math.inf, device=y.device))
+            out["kl"].append(torch.full_like(y, math.inf, dtype=torch.float))
         else:  # the new distribution first, as the exit test reads it
             out["kl"].append(token_kl(logits, previous))
         out["dstate"].append(state_change(s, s_old))
@@ -109,16 +98,13 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
 
 
 def trace_windows(model, wins, n_loops, C):
-    """trace from noise over every window (n, T + 1) -> loss, kl, dstate, each (n_loops, n, T) on
-    the CPU. Its loss at loop r is model.forward's at r loops: the same noise, the same steps."""
-    # one generator, drawn batch after batch: as model.forward's calls over these batches would draw it
+    """trace from noise over every window (n, T + 1) -> loss, kl, dstate, each (n_loops, n, T) on the CPU.
+    Its loss at loop r is model.forward's at r loops: the same steps, the same noise from one generator."""
     generator = torch.Generator(device=C.device).manual_seed(C.seed)
     parts = defaultdict(list)
-    for batch in tqdm(wins.split(C.batch_size), desc=f"{n_loops} loops", leave=False):
-        x = batch[:, :-1]
-        y = batch[:, 1:]
+    for batch in tqdm(wins.split(C.batch_size), leave=False):
         with autocast(C.device, C.dtype):
-            traced = trace(model, x, y, n_loops, "noise", generator)
+            traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, "noise", generator)
         for key in ("loss", "kl", "dstate"):
             parts[key].append(traced[key].cpu())
     return {key: torch.cat(values, 1) for key, values in parts.items()}
@@ -129,30 +115,26 @@ def tokens_per_second(model, wins, r, C):
     """Forwards of one window at a time at r loops: the speed a single request sees."""
     # timed apart from the pass, whose readout at every loop a plain forward does not pay
     timed = wins[:C.timing_windows, :-1]
+    cuda = C.device.startswith("cuda")
     with autocast(C.device, C.dtype):
         model(timed[:1], loops=r)  # a warm-up: allocations and kernel choices are not timed
-        synchronize(C.device)
+        if cuda:  # a GPU runs queued work: wait for it before reading the clock
+            torch.cuda.synchronize(C.device)
         started = time.perf_counter()
         for x in timed:
             model(x[None], loops=r)
-        synchronize(C.device)
+        if cuda:
+            torch.cuda.synchronize(C.device)
     return timed.numel() / (time.perf_counter() - started)
 
 
-def synchronize(device):
-    """Wait for the GPU's queued work, so that the timer measures it."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-
-
-def sweep(per_window, speed, mean, meta):
-    """The elasticity sweep / cost curve: a row per loop count r of {r: per-window losses}."""
+def sweep(losses, speed, meta):
+    """The elasticity sweep / cost curve: losses (loops, n, T) per token, speed {r: tokens/s} -> a row per r."""
+    loss_at = losses.double().mean((1, 2))  # in float64: a mean over every token of every window
     rows = []
-    for r, losses in per_window.items():
-        loss = losses.mean()
-        row = {"loops": r, "loss": loss, "ppl": math.exp(loss), "tokens_per_s": speed[r]}
-        # against mean_loops, the depth the model was trained around: > 1 is faster
-        row["relative_throughput"] = speed[r] / speed[mean]
+    for r, tokens_per_s in speed.items():
+        loss = loss_at[r - 1].item()
+        row = {"loops": r, "loss": loss, "tokens_per_s": tokens_per_s}
         bits = bits_per_byte(loss, meta)
         if math.isfinite(bits):  # the split's bytes are known: per byte, losses compare across tokenizers
             row["bits_per_byte"] = bits
@@ -160,25 +142,12 @@ def sweep(per_window, speed, mean, meta):
     return rows
 
 
-def saturation_depth(per_window, tolerance):
-    """{r: per-window losses} -> the least r whose mean loss is within tolerance of the best r's."""
-    mean_loss = {r: losses.mean() for r, losses in per_window.items()}
-    best = min(mean_loss.values())
-    # not the best r itself: past saturation the curve is flat, and noise decides where its minimum falls
-    return min(r for r, loss in mean_loss.items() if loss <= best + tolerance)
-
-
-def useful_range(per_window, tolerance):
-    """The loss gained from r=1 to the saturation depth (nats)."""
-    depth = saturation_depth(per_window, tolerance)
-    return per_window[1].mean() - per_window[depth].mean()
-
-
 def paired_bootstrap(stat, per_window, n_resamples, seed):
-    """stat({name: array (..., windows)}) -> float or None, with its 95% interval over resamples of
-    the windows -> {"value": float | None, "interval": [low, high] | None}. No interval where there
-    is no value, or where stat is undefined in more than 5% of the resamples."""
+    """stat({name: array (..., windows)}) -> float or None, and its 95% interval over paired resamples
+    of the windows -> {"value": float | None, "interval": [low, high] | None}."""
     value = stat(per_window)
+    if value is None:
+        return {"value": None, "interval": None}
     n_windows = next(iter(per_window.values())).shape[-1]
     rng = np.random.default_rng(seed)
     values = []
@@ -188,66 +157,52 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
         resampled = {name: array[..., pick] for name, array in per_window.items()}
         values.append(stat(resampled))
     defined = [v for v in values if v is not None]
-    if value is None or len(defined) < 0.95 * n_resamples:
-        return {"value": None if value is None else float(value), "interval": None}
-    # percentiles interpolate between resampled values: a depth's interval may end between depths
-    low, high = np.percentile(defined, [2.5, 97.5])
-    return {"value": float(value), "interval": [float(low), float(high)]}
+    interval = None  # unless enough resamples are defined: percentiles of a few would mislead
+    if len(defined) >= 0.95 * n_resamples:
+        # percentiles interpolate between resampled values: a depth's interval may end between depths
+        interval = np.percentile(defined, [2.5, 97.5]).tolist()
+    return {"value": float(value), "interval": interval}
 
 
-def saturation(per_window, mean, C):
-    """Issue 31's definition, fixed before any run: over the swept r <= 4 x mean_loops, the
-    saturation depth and the useful range, with paired bootstrap intervals."""
-    swept = {r: losses for r, losses in per_window.items() if r <= 4 * mean}
-    depth = functools.partial(saturation_depth, tolerance=C.saturation_tolerance)
-    gain = functools.partial(useful_range, tolerance=C.saturation_tolerance)
-    found = {"tolerance": C.saturation_tolerance, "max_depth": 4 * mean}
-    found["depth"] = paired_bootstrap(depth, swept, C.bootstrap, C.seed)
-    found["useful_range"] = paired_bootstrap(gain, swept, C.bootstrap, C.seed)
-    found["loss_at_depth"] = swept[depth(swept)].mean()
-    return found
-
-
-def convergence_depth(kl, threshold=MOVING_KL):
-    """kl (loops 2..n, tokens) -> per token the loop after which its KL stays <= threshold:
+def convergence_depth(kl):
+    """kl (loops 2..n, tokens) -> per token the loop after which its KL stays <= MOVING_KL:
     1 if it never moved, n + 1 if it still moves at loop n."""
     n_loops = kl.size(0) + 1
     loop = torch.arange(2, n_loops + 1)[:, None]
     # the last loop that moved, not the first that did not: a token may settle, then move again
-    last_moving = torch.where(kl > threshold, loop, 0).amax(0)
+    last_moving = torch.where(kl > MOVING_KL, loop, 0).amax(0)
     return torch.where(last_moving == n_loops, n_loops + 1, last_moving.clamp_min(1))
 
 
 def exit_depth(kl, threshold):
-    """kl (loops 2..n, tokens) -> the first loop with KL < threshold, else n (a forced exit)."""
+    """kl (loops 2..n, ...) -> (...) the first loop with KL < threshold, else n (a forced exit)."""
     below = kl < threshold
     first_below = below.int().argmax(0) + 2  # argmax finds the first True
     return torch.where(below.any(0), first_below, kl.size(0) + 1)
 
 
 def convergence(kl, dstate, loss, mean):
-    """kl, dstate, loss (loops 2..n, tokens) -> a row per loop: mean KL, mean state change, % of
-    tokens still moving, loss; the median convergence depth and the % still moving at mean_loops."""
-    moving = 100 * (kl > MOVING_KL).double().mean(1)
+    """kl, dstate, loss (loops 2..n, tokens) -> a row per loop of the means over the tokens of the KL,
+    the state change, the loss and the % still moving; the median convergence depth, the % at mean_loops."""
+    moving = 100 * (kl > MOVING_KL).double()
+    means_of = {"mean_kl": kl, "mean_state_change": dstate, "percent_moving": moving, "loss": loss}
     rows = []
     for i in range(len(kl)):
-        row = {"loop": i + 2, "mean_kl": kl[i].mean().item()}
-        row["mean_state_change"] = dstate[i].mean().item()
-        row["percent_moving"] = moving[i].item()
-        row["loss"] = loss[i].mean().item()
+        row = {"loop": i + 2}
+        for name, values in means_of.items():
+            row[name] = values[i].mean().item()
         rows.append(row)
     cv = {"rows": rows, "median_depth": np.median(convergence_depth(kl))}
     if mean >= 2:  # at loop 1 there is no KL yet, nothing to call moving
-        cv["percent_moving_at_mean"] = moving[mean - 2].item()
+        cv["percent_moving_at_mean"] = rows[mean - 2]["percent_moving"]
     return cv
 
 
 def token_classes(kl, targets, decode):
-    """Mean exit depth (the first loop with KL < MOVING_KL) by the class of the target token:
-    the token the model predicts at that position, not the one it reads (issue 32 asks which)."""
+    """kl (loops 2..n, n x T), targets (n, T) -> a row per class of target token (the one the model predicts,
+    not the one it reads: issue 32 asks which matters): its mean exit depth, the first loop with KL < MOVING_KL."""
     exits = exit_depth(kl, MOVING_KL).double().numpy()
-    class_of_id = {i: token_class(decode([i])) for i in set(targets)}
-    classes = np.array([class_of_id[i] for i in targets])
+    classes = np.array([token_class(decode([i])) for i in targets.flatten().tolist()])
     rows = []
     for name in CLASSES:
         picked = exits[classes == name]
@@ -255,62 +210,37 @@ def token_classes(kl, targets, decode):
         if picked.size:  # a class these windows lack has no mean
             row["mean_exit_depth"] = picked.mean()
         rows.append(row)
-    every = {"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()}
-    return rows + [every]
+    rows.append({"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()})
+    return rows
 
 
 def markdown(headers, rows):
     """A markdown table of headers and rows of cells."""
     lines = []
     for row in [headers, ["---"] * len(headers), *rows]:
-        cells = " | ".join(str(cell) for cell in row)
+        cells = " | ".join(map(str, row))
         lines.append(f"| {cells} |")
     return "\n".join(lines)
 
 
 def table(title, rows, columns):
     """Print rows under a title; columns "key:format ..." name eval.json's keys (a missing one: nan)."""
-    specs = [column.partition(":")[::2] for column in columns.split()]
-    headers = [key for key, _ in specs]
-    cells = [[format(row.get(key, math.nan), spec) for key, spec in specs] for row in rows]
-    print(f"\n## {title}\n\n{markdown(headers, cells)}")
-
-
-def with_interval(estimate, spec):
-    """A paired_bootstrap estimate -> e.g. '6 [4, 8]' ('[nan, nan]': no interval)."""
-    value = format(estimate["value"], spec)
-    low, high = estimate["interval"] or (math.nan, math.nan)
-    return f"{value} [{low:{spec}}, {high:{spec}}]"
-
-
-def pyplot():
-    """matplotlib.pyplot drawing to files only; UserError if it is not installed."""
-    try:
-        __import__("matplotlib").use("Agg")
-    except ImportError:
-        raise UserError("--plot needs `matplotlib`: pip install matplotlib") from None
-    return __import__("matplotlib.pyplot").pyplot
-
-
-def save(fig, out_dir, name):
-    """Write a figure to out_dir/name, gridded, and free it."""
-    for ax in fig.axes:
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, name), dpi=120)
-    pyplot().close(fig)
+    formats = dict(column.split(":") for column in columns.split())  # {key: format}
+    cells = []
+    for row in rows:
+        cells.append([format(row.get(key, math.nan), spec) for key, spec in formats.items()])
+    print(f"\n## {title}\n\n{markdown(list(formats), cells)}")
 
 
 def main(argv=()):
     started = time.perf_counter()
-    C, _ = configure([globals()], list(argv))
+    C, _ = configure([globals()], argv)
     # 1) the checkpoint and its windows; every refusal comes before the work
     path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(path, C.device)
     result = os.path.join(C.out_dir, "eval.json")
     # save_atomic writes eval.json.tmp in out_dir, then renames it over eval.json
-    in_the_way = os.path.isdir(result) or os.path.isdir(f"{result}.tmp")
-    if in_the_way or not os.access(C.out_dir, os.W_OK):
+    if os.path.isdir(result) or os.path.isdir(f"{result}.tmp") or not os.access(C.out_dir, os.W_OK):
         raise UserError(f"cannot write {result}")
     mean = model.config.mean_loops
     swept = loop_counts(C.loops, mean)
@@ -320,43 +250,26 @@ def main(argv=()):
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=("val",))
     _, decode = load_tokenizer(data_dir)
     length = model.config.block_size + 1
-    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
-    wins = wins.to(C.device)
-    print(f"{path}: {checkpoint_id(ckpt)}, mean_loops {mean}, {C.dtype}")
+    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed).to(C.device)
+    print(f"{path}: {checkpoint_id(ckpt)}, mean_loops {mean}")
     # 2) one pass, as deep as the sweep and the convergence table both need
-    traced = trace_windows(model, wins, max(swept + [n_diag]), C)
-
-    # 3) the sweep, and the saturation depth read from it
-    # each window's loss at each swept r: what the bootstrap resamples, the same windows at every r
-    window_loss = traced["loss"].double().mean(2).numpy()  # (loops, windows)
-    per_window = {r: window_loss[r - 1] for r in swept}
+    traced = trace_windows(model, wins, max(*swept, n_diag), C)
+    # 3) the sweep: the loss at each swept r, and its speed
     speed = {r: tokens_per_second(model, wins, r, C) for r in swept}
-    el = sweep(per_window, speed, mean, meta)
-    columns = "loops loss:.4f bits_per_byte:.4f ppl:.1f tokens_per_s:.0f relative_throughput:.2f"
+    el = sweep(traced["loss"], speed, meta)
+    columns = "loops:d loss:.4f bits_per_byte:.4f tokens_per_s:.0f"
     table(f"Elasticity / cost curve (noise init, {len(wins)} windows)", el, columns)
-    sat = saturation(per_window, mean, C)
-    depth = with_interval(sat["depth"], "g")
-    gain = with_interval(sat["useful_range"], ".4f")
-    print(f"\nsaturation depth {depth}: the least r within {C.saturation_tolerance:g} nats of the best r <= "
-          f"{4 * mean}; useful range {gain} nats, from r=1 to it (95% paired bootstrap intervals)")
-
-    # 4) the convergence pass and depth by token class, from loop 2 (loop 1 has no successive KL)
-    kl = traced["kl"][1:n_diag].flatten(1)  # (loops, windows x T): every token of every window
-    dstate = traced["dstate"][1:n_diag].flatten(1)
-    loss = traced["loss"][1:n_diag].flatten(1)
-    cv = convergence(kl, dstate, loss, mean)
-    columns = "loop mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f"
-    table(f"Convergence (a token moves while its KL > {MOVING_KL:g})", cv["rows"], columns)
-    columns = "median_depth:g percent_moving_at_mean:.1f"
-    table(f"Convergence depth (the loop after which it stays still; mean_loops {mean})", [cv], columns)
-    targets = wins[:, 1:].flatten().tolist()
-    tc = token_classes(kl, targets, decode)
-    table(f"Depth by token class (exit at KL < {MOVING_KL:g})", tc, "class count mean_exit_depth:.2f")
-
+    # 4) the convergence table and depth by token class, from loop 2 (loop 1 has no successive KL)
+    diag = {key: values[1:n_diag].flatten(1) for key, values in traced.items()}  # each (loops, windows x T)
+    cv = convergence(diag["kl"], diag["dstate"], diag["loss"], mean)
+    columns = "loop:d mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f"
+    table(f"Convergence (a token moves while its KL > {MOVING_KL})", cv["rows"], columns)
+    print(f"\nmedian convergence depth (the loop after which a token stays still): {cv['median_depth']}")
+    tc = token_classes(diag["kl"], wins[:, 1:], decode)
+    table(f"Depth by token class (exit at KL < {MOVING_KL})", tc, "class:s count:d mean_exit_depth:.2f")
     # 5) every number above, in eval.json
-    res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"]}
-    res |= {"mean_loops": mean, "elasticity": el, "saturation": sat, "convergence": cv, "token_classes": tc}
-    res["seconds"] = time.perf_counter() - started
+    res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"], "mean_loops": mean,
+           "elasticity": el, "convergence": cv, "token_classes": tc, "seconds": time.perf_counter() - started}
     save_atomic(result, res)
     print(f"\nwrote {result}")
     return res

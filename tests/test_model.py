@@ -196,8 +196,8 @@ def test_bad_shapes_are_refused_naming_the_field():
                          ({"n_kv_head": 3}, "n_kv_head=3 must divide n_head"),
                          ({"n_embd": 24, "n_head": 8, "n_kv_head": 1}, "head size n_embd / n_head = 3 must be even"),
                          ({"mean_loops": 7}, "mean_loops=7 > max_loops=6"),
-                         ({"n_head": 0}, "n_head=0: must be positive"),
-                         ({"n_core": 0}, "n_core=0: must be positive"),
+                         ({"n_head": 0}, "n_head=0: must be a positive int"),
+                         ({"n_core": 0}, "n_core=0: must be a positive int"),
                          ({"block_size": -1}, "block_size=-1"),
                          ({"n_embd": 32.0}, "n_embd=32.0"),
                          ({"norm_eps": float("nan")}, "norm_eps=nan"),
@@ -341,10 +341,6 @@ def a_checkpoint(**changes):
 
 def bad_weights(kind):
     state = tiny().state_dict()
-    if kind == "nan":
-        state["core.adapter.weight"][0, 0] = float("nan")
-    if kind == "inf":
-        state["wte.weight"][3] = float("-inf")
     if kind == "missing":
         del state["core.adapter.weight"]
     if kind == "misshapen":
@@ -354,16 +350,14 @@ def bad_weights(kind):
 
 @pytest.mark.parametrize("case, message", [
     ("empty", "(0 bytes) is not a readable checkpoint"),
-    ("no_model", "its 'model' is missing or not a dict"),
-    ("no_rng_no_optimizer", "its 'optimizer' is missing or not a dict"),
-    ("model_args_a_string", "its 'model_args' is missing or not a dict"),
-    ("iter_num_a_float", "its 'iter_num' is missing or not a int"),
-    ("no_dataset", "its config names no dataset"),
-    ("missing_shape_field", "n_embd"),
+    ("no_model", "is incomplete: it has no model"),
+    ("no_rng_no_optimizer", "is incomplete: it has no optimizer, rng"),
+    ("model_args_a_string", "its model_args are malformed"),
+    ("no_dataset", "is incomplete: it has no dataset in its config"),
+    ("missing_shape_field", "its weights do not fit its model_args"),  # not silently the default width
+    ("unknown_field", "its model_args are malformed"),
     ("non_positive_size", "n_embd=0"),
     ("bool_size", "n_core=True"),
-    ("nan", "has non-finite weights (core.adapter.weight"),
-    ("inf", "has non-finite weights (wte.weight"),
     ("missing", "its weights do not fit its model_args"),
     ("misshapen", "its weights do not fit its model_args"),
 ])
@@ -377,12 +371,12 @@ def test_bad_checkpoints_are_one_line(tmp_path, capsys, case, message):
         torch.save(a_checkpoint(rng=None, optimizer=None), path)
     elif case == "model_args_a_string":
         torch.save(a_checkpoint(model_args=str(TINY)), path)
-    elif case == "iter_num_a_float":
-        torch.save(a_checkpoint(iter_num=7.0), path)
     elif case == "no_dataset":
         torch.save(a_checkpoint(config={"run_id": "abc"}), path)
-    elif case == "missing_shape_field":  # not silently the default width (whose weights then do not fit)
+    elif case == "missing_shape_field":
         torch.save(a_checkpoint(model_args={k: v for k, v in TINY.items() if k != "n_embd"}), path)
+    elif case == "unknown_field":
+        torch.save(a_checkpoint(model_args=TINY | {"n_experts": 8}), path)
     elif case == "non_positive_size":
         torch.save(a_checkpoint(model_args=TINY | {"n_embd": 0}), path)
     elif case == "bool_size":

@@ -468,7 +468,7 @@ def test_one_sample_is_printed_as_it_is_chosen(tiny, capsys, monkeypatch):
     assert "".join(printed) + rest == decode(encode("The king") + new_ids[0]) + "\n"
 
 
-def test_adaptive_main_reports_loops_and_starts_from_zero(tiny, capsys, monkeypatch):
+def test_main_starts_from_zero_and_reports_loops(tiny, capsys, monkeypatch):
     args = ("--num_samples=2", "--exit=kl", "--exit_threshold=1e-3", "--seed=1")
     inits = []
     real_initial_states = sample.initial_states
@@ -477,10 +477,9 @@ def test_adaptive_main_reports_loops_and_starts_from_zero(tiny, capsys, monkeypa
     assert text.count(SEP) == 2 and text.startswith("The king")
     assert re.search(r"^loops per new token \(loops:tokens\):( \d+:\d+)+$", err, re.M)
     assert run_main(capsys, *args)[1] == text
-    _, _, err = run_main(capsys, *args, "--state_init=noise")
-    assert inits == ["zero", "zero", "noise"] and "warning" in err  # thresholds are calibrated from zero
     run_main(capsys, "--num_samples=1")
-    assert inits[-1] == "noise"  # fixed depth: as trained
+    _, _, err = run_main(capsys, *args, "--state_init=noise")
+    assert inits == ["zero", "zero", "zero", "noise"] and "warning" in err  # thresholds are calibrated from zero
 
 
 def test_r_max_defaults_to_the_models_max_loops(tiny, capsys):
