@@ -488,7 +488,7 @@ def test_a_malformed_checkpoint_is_refused_on_resume_in_one_line(tiny_data, caps
     (["--n_embd=30", "--n_head=4"], "n_head=4 must divide n_embd=30"),
     (["--n_head=4", "--n_kv_head=3"], "n_kv_head=3 must divide n_head"),
     (["--n_embd=24", "--n_head=8"], "head size n_embd / n_head = 3 must be even"),
-    (["--n_core=0"], "n_core=0: must be positive"),
+    (["--n_core=0"], "n_core=0: must be a positive int"),
     (["--block_size=30000"], "fewer than block_size + 2"),
 ])
 def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
