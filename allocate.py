@@ -10,7 +10,8 @@ token's loss and exit scores after every loop): a token stops after the first lo
 score is below the threshold, or at r_max, and scores the loss it had there. This reads each token
 as if alone: in a real run a stopped token would show the others its held state, not its next one
 (the paper's masking harness; README gives the measured difference). The policies are compared at
-matched average loops and at matched FLOPs per token, with paired bootstrap 95% intervals.
+matched average loops, and by the loops and FLOPs per token at which each reaches the bar (uniform
+depth at mean_loops), with paired bootstrap 95% intervals.
 
     python allocate.py --out_dir=out-shakespeare
 """
@@ -23,7 +24,7 @@ import torch
 
 from configurator import UserError, configure, run
 from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, trace
-from model import EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
+from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
 from prepare import open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
@@ -37,10 +38,10 @@ seed = 1337  # picks the windows and the bootstrap resamples
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
 RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
-             bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"))
+             bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"), device=DEVICES)
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
 SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score in exit_scores' trace
-TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched tables' rows, in units of mean_loops
+TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
 
 
 # ---- A2: the oracle-labelled router
@@ -50,22 +51,29 @@ def harvest_labels(argmax):
     return torch.stack(later)
 
 
-def fit_probe(x_fit, y_fit, x_held, y_held):
+def fit_probe(x, y):
     """A linear probe, least squares on standardised features (closed form: no steps to tune).
-    x (N, d), y (N,) bool -> (the probe: states (..., d) -> its score, ~P(label)), held-out accuracy,
-    the majority class's accuracy)."""
-    mu = x_fit.mean(0)
-    sd = x_fit.std(0).clamp_min(1e-6)
-    with_bias = torch.cat([(x_fit - mu) / sd, torch.ones(len(x_fit), 1)], dim=1)
-    w = torch.linalg.lstsq(with_bias.double(), y_fit.double()[:, None]).solution[:, 0].float()
+    x (N, d), y (N,) bool -> the probe: states (..., d) -> its score, ~P(label)."""
+    # The paper's A2 is "a linear probe on s_i"; least squares is one, and its score is near
+    # P(the argmax still changes), so a token stops once the probe is confident enough that it won't.
+    mu = x.mean(0)
+    sd = x.std(0).clamp_min(1e-6)
+    with_bias = torch.cat([(x - mu) / sd, torch.ones(len(x), 1)], dim=1)
+    w = torch.linalg.lstsq(with_bias.double(), y.double()[:, None]).solution[:, 0].float()
 
     def probe(s):  # float32, whatever the autocast
         z = (s.float() - mu.to(s.device)) / sd.to(s.device)
         return z @ w[:-1].to(s.device) + w[-1].item()
+    return probe
 
-    rate = y_held.float().mean().item()
-    accuracy = ((probe(x_held) > 0.5) == y_held).float().mean().item()
-    return probe, accuracy, max(rate, 1 - rate)
+
+def probe_accuracy(traced):
+    """The probe's accuracy on the evaluation windows' labels (it never saw them), and the accuracy
+    of always guessing the commoner label: the paper's diagnosis of A2."""
+    labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
+    rate = labels.float().mean().item()
+    accuracy = ((traced["probe"][:-1] > 0.5) == labels).float().mean().item()
+    return {"accuracy": accuracy, "majority": max(rate, 1 - rate)}
 
 
 def probe_exit_test(probe):
@@ -80,6 +88,7 @@ def exit_scores(model, wins, C, r_max, probe=None):
     """Trace windows (n, T + 1) to r_max from a zero state -> (r_max, n, T) each, on the CPU: the
     loss, the exits' scores (kl, dstate_rel and, with a probe, A2's) and the argmax after every
     loop; without a probe, the states instead of its scores (to fit one on)."""
+    # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
     parts = {"loss": [], "kl": [], "dstate_rel": [], "argmax": [], "probe": [], "state": []}
     for batch in wins.split(C.batch_size):
         traced = trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True)
@@ -94,25 +103,25 @@ def exit_scores(model, wins, C, r_max, probe=None):
 
 def log_grid(scores, n):
     """n thresholds, geometric between the 1st and 99th percentiles of the positive scores."""
+    # the scores span decades (KL 1e-1 at loop 2, 1e-5 in the tail): a geometric grid over their
+    # range gives every depth a threshold near it, and reading the trace makes thresholds free
     positive = scores[torch.isfinite(scores) & (scores > 0)].double().numpy()
     low, high = np.quantile(positive, [0.01, 0.99])
     return np.geomspace(low, high, n).tolist()
 
 
 def fit_router(model, train_wins, C, r_max):
-    """A2's probe from training windows only (the last 20% held out), and every exit's threshold
-    grid from the same trace, never from the evaluation windows.
-    -> (the probe: states -> P(argmax changes later), grids {policy: thresholds}, its accuracy)"""
+    """A2's probe, and every exit's threshold grid, from training windows only: tuned on the
+    evaluation windows, they would flatter the exits. -> (the probe: states -> P(argmax changes
+    later), grids {policy: thresholds})"""
     traced = exit_scores(model, train_wins, C, r_max)
     labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
     states = traced["state"][:-1]
-    n_fit = min(round(0.8 * len(train_wins)), len(train_wins) - 1)
-    fit = (states[:, :n_fit].flatten(0, 2), labels[:, :n_fit].flatten())
-    held = (states[:, n_fit:].flatten(0, 2), labels[:, n_fit:].flatten())
-    probe, accuracy, majority = fit_probe(*fit, *held)
-    grids = {"A1": log_grid(traced["kl"][1:], C.n_grid), "A1s": log_grid(traced["dstate_rel"][1:], C.n_grid),
-             "A2": log_grid(probe(states[:, n_fit:]).flatten(), C.n_grid)}
-    return probe, grids, {"accuracy": accuracy, "majority": majority}
+    probe = fit_probe(states.flatten(0, 2), labels.flatten())
+    grids = {"A1": log_grid(traced["kl"][1:], C.n_grid),
+             "A1s": log_grid(traced["dstate_rel"][1:], C.n_grid),
+             "A2": log_grid(probe(states).flatten(), C.n_grid)}
+    return probe, grids
 
 
 def read_policies(model, traced, tests, grids):
@@ -124,6 +133,8 @@ def read_policies(model, traced, tests, grids):
     per_window = {("A0", "loss"): traced["loss"].double().mean(2).numpy(),
                   ("A0", "loops"): uniform_loops,
                   ("A0", "flops"): model.inference_flops(uniform_loops, T)}
+    # An exit at a threshold: each token's depth is its first loop (from 2) whose score is below it,
+    # and its loss is the trace's after that loop; a window's figures are its tokens' means.
     for policy, test in tests.items():
         scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]  # no exit before loop 2
         losses, loops = [], []
@@ -149,6 +160,7 @@ def curve(per_window, policy, cost):
 
 def cost_at_loss(points, loss):
     """The least cost at which the (cost, loss) polyline first reaches `loss`, or None."""
+    # the first crossing, not the last: past its best depth a curve is flat and noise moves it
     points = sorted(points)
     if points[0][1] <= loss:
         return points[0][0]
@@ -167,7 +179,7 @@ def interp_loss(points, cost):
 
 
 def bar_loss(per_window, mean):
-    """The bar: uniform depth's loss at r = mean_loops."""
+    """The bar: uniform depth's loss at r = mean_loops, the quality the paper holds every policy to."""
     return per_window["A0", "loss"][mean - 1].mean()
 
 
@@ -194,63 +206,64 @@ def loss_delta(per_window, policy, at, cost):
 
 
 def summarize(per_window, C, mean):
-    """The matched tables (a row per average depth, in loops and in FLOPs) and each policy's cost
-    at the bar, each with its paired bootstrap interval."""
+    """The matched table (a row per average depth: each exit's loss minus A0's at equal loops) and
+    each policy's cost at the bar in loops and in FLOPs, each with its paired bootstrap interval."""
     def interval(stat, **kwargs):
+        # every policy's arrays resampled with the same windows: the windows' own difficulty,
+        # which all policies share, cancels out of each difference
         return paired_bootstrap(lambda resampled: stat(resampled, **kwargs), per_window, C.bootstrap, C.seed)
-    res = {"bar": bar_loss(per_window, mean), "at_bar": {}, "tables": {"loops": [], "flops": []}}
+    res = {"bar": bar_loss(per_window, mean), "at_bar": {}, "table": []}
     for policy in POLICIES:
         res["at_bar"][policy] = {}
         for cost in ("loops", "flops"):
             res["at_bar"][policy][cost] = interval(cost_at_bar, policy=policy, mean=mean, cost=cost)
             res["at_bar"][policy][f"{cost}_saved"] = interval(saving_at_bar, policy=policy, mean=mean, cost=cost)
-    uniform_loops = per_window["A0", "loops"][:, 0]
-    uniform_flops = per_window["A0", "flops"][:, 0]
     for depth in (mean * f for f in TABLE_ROWS):
-        flops = float(np.interp(depth, uniform_loops, uniform_flops))  # uniform depth's at that depth
-        for cost, at in (("loops", depth), ("flops", flops)):
-            row = {"loops": depth, "cost": at, "A0": interp_loss(curve(per_window, "A0", cost), at)}
-            for policy in ("A1", "A1s", "A2"):
-                row[policy] = interval(loss_delta, policy=policy, at=at, cost=cost)
-            res["tables"][cost].append(row)
+        row = {"loops": depth, "A0": interp_loss(curve(per_window, "A0", "loops"), depth)}
+        for policy in ("A1", "A1s", "A2"):
+            row[policy] = interval(loss_delta, policy=policy, at=depth, cost="loops")
+        res["table"].append(row)
     return res
 
 
 # ---- the report
-def show(estimate, digits=4, sign="+", scale=1):
-    """'value [low, high]' of an estimate (divided by scale), or '-' where it has no value."""
+def show(estimate, spec="+.4f", scale=1):
+    """'value [low, high]' of an estimate (divided by scale, formatted by spec), or '-' without a value."""
     if estimate["value"] is None:
         return "-"
-    text = f"{estimate['value'] / scale:{sign}.{digits}f}"
+    text = format(estimate["value"] / scale, spec)
     if estimate["interval"] is not None:
-        low, high = (v / scale for v in estimate["interval"])
-        text += f" [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
+        low, high = (format(v / scale, spec) for v in estimate["interval"])
+        text += f" [{low}, {high}]"
     return text
 
 
 def print_report(res):
     print(f"\n## Allocation against uniform depth: {res['windows']} windows, r_max {res['r_max']}; the bar is "
           f"uniform r={res['mean_loops']}'s loss, {res['bar']:.4f}\n")
-    print("Each exit's loss minus A0's at equal average loops, then at equal FLOPs per token (-: outside its "
-          "range; an interval holding 0 is no difference); where each reaches the bar (-: never), and what it saves.")
+    print("Each exit's loss minus A0's at equal average loops (an interval holding 0 is no difference); "
+          "the cost at which each reaches the bar (-: never), and what it saves there.\n")
     exits = ["A1", "A1s", "A2"]
-    for cost, scale in (("loops", 1), ("flops", 1e6)):
-        rows = []
-        for row in res["tables"][cost]:
-            uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # below r = 1
-            cells = [f"{row['cost'] / scale:.4g}", uniform]
-            rows.append(cells + [show(row[policy]) for policy in exits])
-        at_bar = res["at_bar"]
-        rows.append(["reaches the bar at"] + [show(at_bar[policy][cost], 2, "", scale) for policy in POLICIES])
-        rows.append(["saves at the bar", ""] + [show(at_bar[policy][f"{cost}_saved"], 3) for policy in exits])
-        header = "avg loops" if cost == "loops" else "MFLOP/token"
-        print("\n" + markdown([header, "A0 loss"] + [f"{POLICIES[policy]} - A0" for policy in exits], rows))
+    rows = []
+    for row in res["table"]:
+        uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # below r = 1
+        deltas = [show(row[policy]) for policy in exits]
+        rows.append([f"{row['loops']:.3g}", uniform] + deltas)
+    at_bar = res["at_bar"]
+    for cost, unit, scale in (("loops", "loops", 1), ("flops", "MFLOP/token", 1e6)):
+        reaches = [show(at_bar[policy][cost], ".2f", scale) for policy in POLICIES]
+        saves = [show(at_bar[policy][f"{cost}_saved"], "+.3f") for policy in exits]
+        rows.append([f"reaches the bar, {unit}"] + reaches)
+        rows.append([f"saves, in {cost}", ""] + saves)
+    headers = ["avg loops", "A0 loss"] + [f"{POLICIES[policy]} - A0" for policy in exits]
+    print(markdown(headers, rows))
     probe = res["probe"]
     print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
 
 
 def main(argv=()):
     C, _ = configure([globals()], argv)
+    # 1) the checkpoint, its data and the windows; every refusal before the work
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(ckpt_path, C.device)
     if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
@@ -263,16 +276,17 @@ def main(argv=()):
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
     train_wins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
-    print(f"{ckpt_path}: {checkpoint_id(ckpt)}, mean_loops {mean}, r_max {r_max}; {C.windows} val and "
-          f"{C.train_windows} train windows; {C.device} {C.dtype}")
+    print(f"{ckpt_path}: {checkpoint_id(ckpt)}; {C.device} {C.dtype}")
+    # 2) the probe and the grids from training windows; the trace of the evaluation windows
     started = time.perf_counter()
     with autocast(C.device, C.dtype):
-        probe, grids, probe_info = fit_router(model, train_wins.to(C.device), C, r_max)
+        probe, grids = fit_router(model, train_wins.to(C.device), C, r_max)
         traced = exit_scores(model, wins.to(C.device), C, r_max, probe)
+    # 3) every policy read off it, compared with uniform depth, reported; then saved, window by window
     tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
     per_window = read_policies(model, traced, tests, grids)
-    res = {"args": vars(C), "checkpoint": {"path": ckpt_path, "id": checkpoint_id(ckpt)},
-           "mean_loops": mean, "r_max": r_max, "windows": C.windows, "probe": probe_info}
+    res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
+           "windows": C.windows, "probe": probe_accuracy(traced)}
     res |= summarize(per_window, C, mean)
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds

@@ -9,6 +9,7 @@ of text settings. `--help` prints each setting with its default and comment.
 Bad input anywhere in the project raises UserError; `run` prints it as one line and exits 2.
 """
 import ast
+import io
 import math
 import sys
 import tokenize
@@ -22,11 +23,9 @@ class UserError(Exception):
 
 def read_settings(script):
     """{name: (default, comment)} of a script's top-level `name = default  # comment` lines."""
-    path = script["__file__"]
-    with open(path, encoding="utf-8") as f:
+    with open(script["__file__"], encoding="utf-8") as f:
         source = f.read()
-    with open(path, encoding="utf-8") as f:
-        tokens = list(tokenize.generate_tokens(f.readline))
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comment_on_line = {t.start[0]: t.string.lstrip("# ") for t in tokens if t.type == tokenize.COMMENT}
     settings = {}
     for node in ast.parse(source).body:
@@ -39,7 +38,7 @@ def read_settings(script):
 
 def check(key, value, default, rule):
     """value, if it fits the default's type and the rule; else UserError."""
-    if isinstance(default, float) and type(value) is int:
+    if isinstance(default, float) and type(value) is int:  # --learning_rate=1 means 1.0
         value = float(value)
     if type(value) is not type(default):
         raise UserError(f"--{key}: expected {type(default).__name__}, got {value!r}")
@@ -81,8 +80,10 @@ def parse_argv(argv, defaults):
             continue
         key, has_value, text = arg[2:].partition("=")
         if not has_value:  # `--key value`, or a bare `--flag`: True
-            next_is_a_value = args and not args[0].startswith("--")
-            text = args.pop(0) if next_is_a_value else True
+            text = True
+            if args and not args[0].startswith("--"):
+                text = args.pop(0)
+        # a text setting takes the text as it is (--start=1 is "1"); anything else is a Python literal
         if isinstance(defaults.get(key), str) or text is True:
             given[key] = text
             continue
@@ -123,7 +124,11 @@ def run(main):
         sys.exit(2)
     except (KeyboardInterrupt, RuntimeError) as err:
         # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it
-        if KeyboardInterrupt not in (type(err), type(err.__context__)):
+        if KeyboardInterrupt in (type(err), type(err.__context__)):
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+        # torch.OutOfMemoryError on a GPU; on a CPU the allocator's RuntimeError says so
+        if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
             raise
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        print("error: out of memory: try a smaller batch or model", file=sys.stderr)
+        sys.exit(2)

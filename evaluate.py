@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from configurator import UserError, configure, run
-from model import autocast, checkpoint_id, load_checkpoint, save_atomic, state_change, token_kl, token_loss
+from model import DEVICES, autocast, checkpoint_id, load_checkpoint, save_atomic, state_change, token_kl, token_loss
 from prepare import bits_per_byte, load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
@@ -29,7 +29,7 @@ seed = 1337  # picks the windows and the initial noise
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail (~1e-5), where it is read
 RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "timing_windows": (1, math.inf),
-         "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16")}  # a seed torch.Generator takes
+         "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16"), "device": DEVICES}  # a seed torch.Generator takes
 MOVING_KL = 1e-3  # the paper's "still moving" line and its token classes' exit, fixed so that runs compare
 CLASSES = ("space", "numeral", "punctuation", "word")
 
@@ -75,6 +75,8 @@ def token_class(text):
 def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
     """x, y (B, T) -> per loop, each (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (loop 1: inf),
     dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, and state = s_i if kept."""
+    # one pass with a readout after every loop: the loss at every depth and every exit score
+    # for the cost of the deepest (plus its readouts)
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
     logits = None

@@ -32,6 +32,7 @@ MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before l
 
 @dataclass
 class GPTConfig:
+    """A model's shape and loop distribution; the defaults are the paper's S0 (train.py's differ)."""
     vocab_size: int = 49152
     block_size: int = 512
     n_embd: int = 384
@@ -91,6 +92,8 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
+    # The cache is written at the call's own positions and read back whole up to them, so there is
+    # no per-token position tensor: all sequences of a batch share each step's position (lockstep).
     def at(self, rows, pos):
         """This cache for one call: its query rows are the sequences `rows` (B',), its tokens start at
         position pos. pos 0 is a prefill (causal among its tokens); a later pos is one new token."""
@@ -106,8 +109,9 @@ class CacheView(NamedTuple):
     def write(self, layer, k, v):
         """Store k, v (B', n_kv_head, T, head_dim) at the rows' slots, positions pos..pos+T-1."""
         T = k.size(2)
-        self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k.to(self.cache.k[layer].dtype)
-        self.cache.v[layer][self.rows, :, self.pos:self.pos + T] = v.to(self.cache.v[layer].dtype)
+        # k and v come in the dtype the cache was made in (GPT.new_cache: attention's, bf16 under autocast)
+        self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k
+        self.cache.v[layer][self.rows, :, self.pos:self.pos + T] = v
 
     def read(self, layer):
         """The rows' keys and values at positions 0..pos: (B', n_kv_head, pos + 1, head_dim) each."""
@@ -139,6 +143,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
+        # q (B, n_head, T, head_dim); k and v have n_kv_head heads, each shared by n_head / n_kv_head queries
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -153,7 +158,9 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):  # SwiGLU
+class MLP(nn.Module):
+    """SwiGLU: w_down(silu(w_gate x) * w_up x), (B, T, d) -> (B, T, d)."""
+
     def __init__(self, cfg):
         super().__init__()
         self.w_gate = nn.Linear(cfg.n_embd, cfg.ffn_hidden, bias=False)
@@ -165,6 +172,8 @@ class MLP(nn.Module):  # SwiGLU
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP, each added to the stream; (B, T, d) -> (B, T, d)."""
+
     def __init__(self, cfg, sandwich):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
@@ -194,6 +203,8 @@ class Stack(nn.Module):
 
 
 class Core(Stack):
+    """One loop: the adapter re-injects e into the state, then the weight-tied blocks."""
+
     def __init__(self, cfg):
         super().__init__(cfg, cfg.n_core, sandwich=True)
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
@@ -217,6 +228,7 @@ class GPT(nn.Module):
         self.norm = RMSNorm(c.n_embd, c.norm_eps)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        # RoPE: channel pair j of a head turns by position x rope_theta^(-2j / head_dim)
         head_dim = c.n_embd // c.n_head
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
@@ -224,17 +236,13 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
         # Output projections (wo, w_down) shrink with the depth unrolled at mean_loops, so the
         # stream's variance does not grow with the number of blocks it passes through.
-        std = math.sqrt(2 / (5 * c.n_embd))
+        std = math.sqrt(2 / (5 * c.n_embd))  # "small init" (Nguyen & Salazar): sqrt(2 / (5 d))
         depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
         out_std = std / math.sqrt(2 * depth)
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 is_output = name.endswith(("wo.weight", "w_down.weight"))
                 nn.init.normal_(p, std=out_std if is_output else std)
-
-    def get_num_params(self, non_embedding=True):
-        n = sum(p.numel() for p in self.parameters())  # the tied head counted once
-        return n - self.wte.weight.numel() if non_embedding else n
 
     def rope(self, T, cache=None):
         """The rotary tables of T tokens from position 0, or from the cache view's position."""
@@ -273,9 +281,8 @@ class GPT(nn.Module):
         return KVCache(self.config, n_layers, batch, device, dtype)
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
-        """idx (B, T) -> (logits (B, T, vocab), None), or with targets (None, mean loss).
-
-        Truncated backprop: the first loops - bptt_k loops run without gradients."""
+        """idx (B, T) -> (logits (B, T, vocab), None), or with targets (None, mean loss). Truncated
+        backprop: the first loops - bptt_k loops run without gradients."""
         loops = self.config.mean_loops if loops is None else loops
         e = self.prelude(idx)
         s = self.init_state(e, state_init, generator)
@@ -287,6 +294,7 @@ class GPT(nn.Module):
             s = self.core_step(e, s)
         if targets is None:
             return self.readout(s), None
+        # the readout without its head: chunked_loss applies the head a chunk of tokens at a time
         x = self.norm(self.coda_blocks(s, *self.rope(s.size(1))))
         return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
 
@@ -302,7 +310,7 @@ class GPT(nn.Module):
             total = total + checkpoint(loss_sum, x_rows, y_rows, use_reentrant=False)
         return total / (targets != -1).sum().clamp_min(1)
 
-    # ---- the FLOP ledger: one count for MFU, allocate.py's tables and bench.py
+    # ---- the FLOP ledger: one count for MFU, the FLOP rate train.py logs and allocate.py
     def flop_terms(self, T):
         """Forward FLOPs per token of (the prelude, one loop, the readout) in a window of T:
         2 per matmul weight, and 4 * T * d per attention layer (scores and values)."""
@@ -328,10 +336,11 @@ class GPT(nn.Module):
         if exit_test is None:
             return prelude + loops * loop + readout
         readouts = loops if exit_test.needs_logits else 1
-        tests = loops - 1
+        tests = loops - 1  # no test after loop 1: there is nothing to compare it with
         return prelude + loops * loop + readouts * readout + tests * exit_test.flops(self.config)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on the matrices only, fused on CUDA."""
         matrices = [p for p in self.parameters() if p.dim() >= 2]  # decayed; the norms' gains are not
         gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
@@ -342,6 +351,7 @@ class GPT(nn.Module):
 # ---- per-token measures, in float32 whatever the autocast, by chunks of LOGITS_CHUNK
 def by_chunks(fn, logits, other):
     """fn(float32 rows of logits (N, V), rows of other) -> (N,), over logits (..., V) -> (...)."""
+    # a batch's logits need not fit in float32 at once (S1's 8 x 2048 x 49,152 are 3.2 GB)
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
     mine = logits.reshape(-1, logits.size(-1)).split(rows)
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
@@ -355,6 +365,7 @@ def token_kl(logits_p, logits_q):
         log_p = F.log_softmax(p, -1)
         log_q = F.log_softmax(q.float(), -1)
         return (log_p.exp() * (log_p - log_q)).sum(-1)
+    # KL >= 0, but rounding can leave a tiny negative where p and q nearly agree
     return by_chunks(kl, logits_p, logits_q).clamp_min(0.0)
 
 
@@ -405,13 +416,9 @@ EXIT_TESTS = {
 }
 
 
-# ---- devices and precision
-def check_device(device):
-    """UserError for a device this machine lacks."""
-    n_gpus = torch.cuda.device_count()
-    known = ["cpu"] + [f"cuda:{i}" for i in range(n_gpus)] + (["cuda"] if n_gpus else [])
-    if device not in known:
-        raise UserError(f"--device={device}: this machine has {n_gpus} CUDA GPU(s) (cpu, cuda or cuda:N)")
+# ---- devices and precision: every --device this machine has (each script's RULES refuse others)
+GPUS = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+DEVICES = ("cpu", "cuda") + GPUS if GPUS else ("cpu",)
 
 
 def autocast(device, dtype):
@@ -434,7 +441,6 @@ def save_atomic(path, obj):
 
 def read_checkpoint(path, device="cpu", advice=""):
     """The checkpoint dict train.py saved at path; else UserError (its message ends with advice)."""
-    check_device(device)  # a missing GPU is the machine's fault, not the file's
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
     try:

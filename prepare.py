@@ -223,8 +223,6 @@ def parse_settings(argv):
         raise UserError(f"--name={C.name!r}: expected a plain folder name")
     if C.source == "fineweb-edu" and "val_fraction" not in given:
         C.val_fraction = 0.005  # of ~10B tokens: 50M, plenty
-    if C.max_tokens == 1:  # an empty train.bin, which train.py could not even memmap
-        raise UserError("--max_tokens must be 0 (all) or >= 2: a token for each split")
     if not C.tokenizer:
         C.tokenizer = "smollm2" if C.source in HUB else "bpe:1024"
     size = C.tokenizer.removeprefix("bpe:")
@@ -238,18 +236,21 @@ def main(argv):
     out = f"data/{C.name}"
     tmp = f"data/.{C.name}.tmp"
     old = f"data/.{C.name}.old"
+    # 1) the three folders this run may replace must be absent or prepare.py's own
     for path in (out, tmp, old):
         check_ours(path, needs_meta=path == out)
     if not os.path.exists(out) and os.path.isfile(f"{old}/meta.json"):
         os.replace(old, out)  # a kill between the two renames below left it aside: put it back
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
+    # 2) the corpus: downloaded, streamed or read
     if C.source == "shakespeare":
         train, val = shakespeare(C.val_fraction)
     elif C.source in HUB:
         train, val = hub(C.source, C.val_fraction, C.max_tokens)
     else:
         train, val = text_file(C.source, C.val_fraction)
+    # 3) tokenized into tmp
     try:  # before the tokenizer's work: data/ may be a file, or read-only
         os.makedirs(tmp)
     except OSError as err:

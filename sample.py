@@ -1,7 +1,7 @@
 """Generate text from a checkpoint with KV caches, at a fixed depth or a per-token exit.
 
     python sample.py --loops 4                          # every token runs 4 loops
-    python sample.py --exit kl --start FILE:prompt.txt  # each new token stops when its output settles
+    python sample.py --exit kl --start="$(cat prompt.txt)"  # each new token stops when its output settles
 
 The sequences of a batch advance in lockstep, a token each per step; within a step, each loop's
 core call carries only the tokens still looping. Past block_size the context keeps its last
@@ -10,17 +10,17 @@ With one sample the text is printed as it is chosen; with several, each whole at
 """
 import sys
 import time
-from pathlib import Path
+from math import inf
 
 import torch
 import torch.nn.functional as F
 
 from configurator import UserError, configure, run
-from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, uniform_depth
+from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, uniform_depth
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
-start = "\n"  # the prompt, or FILE:path to read it from a file
+start = "\n"  # the prompt (a file's: --start="$(cat prompt.txt)")
 num_samples = 3  # sequences, generated as one batch
 max_new_tokens = 200  # new tokens per sequence
 temperature = 0.8  # below 1e-6: greedy (argmax)
@@ -33,13 +33,13 @@ r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_lo
 state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
-RULES = dict(num_samples=(1, 4096), max_new_tokens=(1, 10 ** 6), temperature=(0, 100), top_k=(0, 10 ** 9),
-             seed=(0, 2 ** 62), loops=(0, 1024), exit=("none", "kl", "state"), r_max=(0, 1024),
-             state_init=("zero", "noise"), dtype=("float32", "bfloat16"))
+RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit=("none", "kl", "state"),
+             state_init=("zero", "noise"), dtype=("float32", "bfloat16"), device=DEVICES)
 
 
 def initial_states(model, n_seqs, length, mode, seed, device):
     """s_0 of every position (n_seqs, length, d), sequence i's from generator seed + i."""
+    # a generator per sequence: a sequence's text does not depend on what else is in its batch
     e = torch.empty(1, length, model.config.n_embd, device=device)
     generators = [torch.Generator(device).manual_seed(seed + i) for i in range(n_seqs)]
     return torch.cat([model.init_state(e, mode, g) for g in generators])
@@ -50,41 +50,35 @@ def sample_next(logits, temperature, top_k, generators):
     if temperature < 1e-6:
         return logits.argmax(-1)
     logits = logits.float() / temperature
-    if top_k:
+    if top_k:  # only the k likeliest tokens may be drawn
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     probs = F.softmax(logits, dim=-1)
+    # row by row, each with its sequence's generator (see initial_states)
     draws = [p.multinomial(1, generator=g) for p, g in zip(probs, generators)]
     return torch.cat(draws)
 
 
-def prefill(model, caches, tokens, s, loops):
-    """Tokens (B, T) with initial states s (B, T, d) at positions 0..T-1, every one `loops` loops,
-    their K/V stored in caches -> the last token's logits (B, V)."""
-    rows = torch.arange(len(tokens), device=tokens.device)
-    e = model.prelude(tokens, caches["prelude"].at(rows, 0))
-    for _ in range(loops):
-        s = model.core_step(e, s, caches["core"].at(rows, 0))
-    return model.readout(s, caches["coda"].at(rows, 0))[:, -1]
-
-
-def feed(model, caches, token, s, pos, depth):
-    """One new token per sequence (B, 1), initial state s (B, 1, d), at position pos, looped to its
-    depth: after each loop from MIN_EXIT_LOOP a token whose exit score is below the threshold stops,
-    and its cache slot keeps the K/V of that loop; the others go on, at most to r_max.
-    -> its logits (B, V) after its last loop, the loops it ran (B,)."""
-    B = len(token)
-    every_row = torch.arange(B, device=token.device)
-    e = model.prelude(token, caches["prelude"].at(every_row, pos))
+def feed(model, caches, tokens, s, pos, depth):
+    """Tokens (B, T) of every sequence, initial states s (B, T, d), from position pos, through the
+    prelude, their loops and the readout, their K/V stored in the caches: a prefill (pos 0, uniform
+    depth), or one new token each (T = 1), looped to its depth: after each loop from MIN_EXIT_LOOP a
+    token whose exit score is below the threshold stops, and its cache slot keeps the K/V of that
+    loop; the others go on, at most to r_max. -> the last token's logits (B, V), its loops (B,)."""
+    B = len(tokens)
+    every_row = torch.arange(B, device=tokens.device)
+    e = model.prelude(tokens, caches["prelude"].at(every_row, pos))
     s = s.clone()  # updated row by row below
     test = depth.test
     needs_logits = test is not None and test.needs_logits
     if needs_logits:  # each token's readout after its latest loop, for the next test
-        logits = torch.zeros(B, 1, model.config.vocab_size, device=token.device)
-    looping = torch.ones(B, dtype=torch.bool, device=token.device)
-    loops = torch.zeros(B, dtype=torch.long, device=token.device)
+        logits = torch.zeros(B, 1, model.config.vocab_size, device=tokens.device)
+    looping = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    loops = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    # The sequences stop at different loops: each core call carries only the rows still looping,
+    # and a stopped row's cache slot is left as its last loop wrote it.
     for loop in range(1, depth.r_max + 1):
-        rows = looping.nonzero()[:, 0]  # each call carries only the tokens still looping
+        rows = looping.nonzero()[:, 0]
         if len(rows) == 0:
             break
         s_new = model.core_step(e[rows], s[rows], caches["core"].at(rows, pos))
@@ -115,11 +109,11 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
     c = model.config
     caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
               "coda": model.new_cache(c.n_coda, B)}
-    tokens = idx
+    tokens = idx  # the prompts and every token chosen so far
     # 1) prefill: the prompt's last block_size tokens, at positions 0..
     first = max(0, T0 - block)
-    logits = prefill(model, caches, tokens[:, first:], s0[:, first:T0], prompt_loops)
-    loops = torch.full((B,), prompt_loops, device=idx.device)
+    prompt_depth = uniform_depth(prompt_loops)
+    logits, loops = feed(model, caches, tokens[:, first:], s0[:, first:T0], 0, prompt_depth)
     n_cached = T0 - first
     for step in range(max_new_tokens):
         # 2) every sequence picks its next token from its last readout
@@ -132,24 +126,11 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
         if n_cached == block:
             # 3) the context is full: keep the last half before the new token, prefilled again
             first = t - block // 2
-            prefill(model, caches, tokens[:, first:t], s0[:, first:t], prompt_loops)
+            feed(model, caches, tokens[:, first:t], s0[:, first:t], 0, prompt_depth)
             n_cached = block // 2
         # 4) feed the new token at the next position, at its own depth
         logits, loops = feed(model, caches, tokens[:, t:], s0[:, t:t + 1], n_cached, depth)
         n_cached += 1
-
-
-def read_prompt(text, encode, decode):
-    """The prompt's token ids; text may be FILE:path."""
-    if text.startswith("FILE:"):
-        try:
-            text = Path(text[5:]).read_text(encoding="utf-8")
-        except (OSError, UnicodeError) as err:
-            raise UserError(f"--start={text}: {err}") from None
-    ids = encode(text)
-    if not ids or decode(ids) != text:
-        raise UserError("--start: the prompt is empty or the tokenizer cannot encode it exactly")
-    return ids
 
 
 def main(argv=()):
@@ -157,7 +138,11 @@ def main(argv=()):
     path = f"{C.out_dir}/ckpt.pt"
     model, ckpt = load_checkpoint(path, C.device)
     encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())[0])
-    ids = read_prompt(C.start, encode, decode)
+    ids = encode(C.start)
+    # the prompt must survive the round trip: a tokenizer that drops what it cannot encode would
+    # otherwise continue a prompt the user did not write
+    if not ids or decode(ids) != C.start:
+        raise UserError("--start: the prompt is empty or the tokenizer cannot encode it exactly")
     prompt_loops = C.loops or model.config.mean_loops
     depth = uniform_depth(prompt_loops)
     if C.exit != "none":
@@ -165,8 +150,6 @@ def main(argv=()):
         if r_max < MIN_EXIT_LOOP:  # an exit compares two loops
             raise UserError(f"--r_max={r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
         depth = DepthPolicy(EXIT_TESTS[C.exit], C.exit_threshold, r_max)
-        if C.state_init == "noise":
-            print("warning: allocate.py calibrates exit thresholds from a zero state", file=sys.stderr)
     n = C.num_samples
     s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
     generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]

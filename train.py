@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 import prepare
 from configurator import UserError, configure, run
-from model import (CKPT_FORMAT, GPT, GPTConfig, autocast, check_device, model_from_checkpoint, read_checkpoint,
-                   save_atomic)
+from model import CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, model_from_checkpoint, read_checkpoint, save_atomic
 
 # I/O
 out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
@@ -70,7 +69,7 @@ peak_flops = 0.0  # the device's peak FLOP/s (bf16 on a GPU), for MFU; 0: no MFU
 
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
 RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
-         "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
+         "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
          "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step: a 64-bit seed
 RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
                        (1, math.inf))
@@ -78,8 +77,7 @@ MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_
 
 
 def check_settings(C):
-    """UserError for what the settings' rules cannot see: the machine's devices and compile backends."""
-    check_device(C.device)
+    """UserError for what the settings' rules cannot see: the compile backends torch has."""
     if C.compile and C.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UserError(f"--compile_backend={C.compile_backend} is not in torch._dynamo.list_backends()")
 
@@ -315,11 +313,13 @@ def main(argv=()):
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
             figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr}
-            line = f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms"
+            # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
+            # same count for the dense twin of config/study_dense.py: their ratio is the study's parity)
+            tokens = micro_steps * math.prod(shape)
+            flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
+            figures["flops_per_s"] = flops / dt
+            line = f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, {flops / dt:.3g} FLOP/s"
             if C.peak_flops:  # MFU against the peak the user names (README lists cards' bf16 peaks)
-                # this rank's FLOPs: 3x the forward in a loop with gradients, 1x in one without
-                tokens = micro_steps * math.prod(shape)
-                flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
                 figures["mfu"] = flops / dt / C.peak_flops
                 line += f", mfu {figures['mfu']:.1%}"
             print(line)

@@ -1,5 +1,5 @@
-# Parity for the laptop study (issue 20): the study model's dense twin, built as bench.py's dense_twin
-# builds it: the same blocks unrolled once. The core's block (sandwich norms and all) appears
+# Parity for the laptop study (issue 20): the study model's dense twin, the same blocks unrolled once
+# (train.py logs each step's FLOP/s: the two runs' ratio is the parity of their FLOP rates). The core's block (sandwich norms and all) appears
 # n_core * mean_loops = 8 times, run in a single loop from a zero initial state (state_std = 0: one pass
 # from noise would be a noisy input, which no dense stack has), with the same prelude, coda and width,
 # and no weight tying across depth (4.0M unique non-embedding parameters against the study model's 1.3M).

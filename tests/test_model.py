@@ -24,8 +24,9 @@ def tiny(**kw):
 def test_param_counts_match_the_paper(shape, unique, total):
     with torch.device("meta"):
         model = GPT(GPTConfig(**shape))
-    assert round(model.get_num_params(non_embedding=True), -5) == unique
-    assert round(model.get_num_params(non_embedding=False), -5) == total
+    total_params = sum(p.numel() for p in model.parameters())  # the tied head counted once
+    unique_params = total_params - model.wte.weight.numel()  # the paper's "unique non-embedding"
+    assert round(unique_params, -5) == unique and round(total_params, -5) == total
 
 
 def test_no_biases_and_tied_head():
@@ -388,7 +389,7 @@ def test_bad_checkpoints_are_one_line(tmp_path, capsys, case, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_good_checkpoint_loads_and_cuda_without_a_gpu_is_the_devices_fault(tmp_path, capsys):
+def test_a_good_checkpoint_loads_and_only_this_machines_devices_are_named(tmp_path, capsys):
     torch.save(a_checkpoint(), tmp_path / "ckpt.pt")
     model, ckpt = load_checkpoint(str(tmp_path / "ckpt.pt"))
     assert ckpt["iter_num"] == 7 and not model.training
@@ -396,10 +397,7 @@ def test_a_good_checkpoint_loads_and_cuda_without_a_gpu_is_the_devices_fault(tmp
     assert checkpoint_id(ckpt | {"config": {"run_id": "abc"}}) == "abc@7"
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(UserError, match=r"this machine has 0 CUDA GPU\(s\)"):
-        load_checkpoint(str(tmp_path / "ckpt.pt"), "cuda")
-    with pytest.raises(UserError, match=r"this machine has 0 CUDA GPU\(s\)"):  # the device's fault, file or not
-        load_checkpoint(str(tmp_path / "missing.pt"), "cuda:1")
+    assert model_lib.DEVICES == ("cpu",)  # what every script's --device may name here: cuda is refused
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.9, 0.999])

@@ -392,7 +392,6 @@ def test_hub_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys
     ["--source=corpus.txt", "--tokenizer=no-such-tokenizer"],
     ["--source=corpus.txt", "--val_fraction=1.5"],
     ["--source=corpus.txt", "--val_fraction=0"],               # no val at all
-    ["--source=corpus.txt", "--max_tokens=1"],                 # no token left for one of the splits
     ["--source=corpus.txt", "--name=.."],                      # would put the dataset outside data/
     ["--source=one_char.txt"],                                 # too short to hold out a val split
     ["--source=latin1.txt"],                                   # not UTF-8

@@ -67,7 +67,7 @@ def metrics(out_dir):
 
 def untimed(records):
     """The metrics without the figure that depends on the machine's speed."""
-    return [{k: v for k, v in r.items() if k != "mfu"} for r in records]
+    return [{k: v for k, v in r.items() if k not in ("mfu", "flops_per_s")} for r in records]
 
 
 # ----------------------------------------------------------------------------- the depth sampler and schedule
@@ -288,13 +288,18 @@ def test_every_committed_config_file_loads(monkeypatch):
     assert cfg(["config/study_2000.py"])["max_iters"] == 2 * study["max_iters"]  # the trend
 
 
-def test_study_dense_is_benchs_dense_twin_of_the_study_model(monkeypatch):
-    """config/study_dense.py is the study model's blocks unrolled once, as bench.py builds its twin."""
-    import bench
+def test_study_dense_is_the_study_models_blocks_unrolled_once(monkeypatch):
+    """config/study_dense.py: n_core * mean_loops core blocks in one loop from a zero state, the rest the same;
+    its forward FLOPs are the study model's at mean_loops less the adapters of loops 2..mean_loops."""
     monkeypatch.chdir(ROOT)
     study, dense = cfg(["config/study.py"]), cfg(["config/study_dense.py"])
-    twin = bench.dense_twin(GPTConfig(vocab_size=1024, **{key: study[key] for key in train.MODEL_KEYS}))
-    assert {key: dense[key] for key in train.MODEL_KEYS} == {key: getattr(twin, key) for key in train.MODEL_KEYS}
+    unrolled = dict(n_core=study["n_core"] * study["mean_loops"], mean_loops=1, max_loops=1, bptt_k=1, state_std=0.0)
+    assert {key: dense[key] for key in train.MODEL_KEYS} == {key: study[key] for key in train.MODEL_KEYS} | unrolled
+    recurrent = GPT(GPTConfig(vocab_size=1024, **{key: study[key] for key in train.MODEL_KEYS}))
+    twin = GPT(GPTConfig(vocab_size=1024, **{key: dense[key] for key in train.MODEL_KEYS}))
+    adapter = 2 * recurrent.core.adapter.weight.numel()
+    extra = (study["mean_loops"] - 1) * adapter
+    assert recurrent.inference_flops(study["mean_loops"], 512) - twin.inference_flops(1, 512) == extra
 
 
 def test_help_lists_every_setting_and_exits_0(capsys):
@@ -329,8 +334,8 @@ def test_training_learns_and_writes_a_loadable_checkpoint_and_metrics(tiny_data,
     assert len(steps) + len(evaluations) == len(records)
     assert [r["iter"] for r in steps] == list(range(40))  # log_interval 1: every step
     assert [(r["iter"], r["loops"], r["loss"]) for r in steps] == [tuple(h) for h in hist]
-    assert all(set(r) == {"iter", "loss", "loops", "lr", "mfu"} for r in steps)  # nanoGPT's figures, and loops
-    assert all(r["lr"] > 0 and r["mfu"] > 0 for r in steps)
+    assert all(set(r) == {"iter", "loss", "loops", "lr", "flops_per_s", "mfu"} for r in steps)  # nanoGPT's, loops
+    assert all(r["lr"] > 0 and r["mfu"] > 0 and r["flops_per_s"] > 0 for r in steps)
     assert [r["iter"] for r in evaluations] == [0, 20, 40]
     assert all(set(r) == {"iter", "train_loss", "val_loss", "val_bits_per_byte"} for r in evaluations)
     assert all(math.isfinite(r["train_loss"]) and math.isfinite(r["val_loss"]) for r in evaluations)
@@ -509,7 +514,7 @@ def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
     (["--compile=True", "--compile_backend=nonesuch"], "--compile_backend=nonesuch is not in"),
     (["--out_dir", "--max_iters=1"], "--out_dir: expected str, got True"),  # a bare flag is no text
     (["--dataset"], "--dataset: expected str, got True"),
-    (["--device=gpu"], "(cpu, cuda or cuda:N)"),
+    (["--device=gpu"], "--device must be one of cpu"),
 ])
 def test_bad_values_are_one_line_before_anything_is_written(tiny_data, capsys, flags, message):
     assert message in refusal(capsys, train.main, TINY + ["--out_dir=o"] + flags)
@@ -590,7 +595,7 @@ def test_bad_config_files_are_one_line(tiny_data, capsys):
 def test_cuda_without_a_gpu_is_one_line(tiny_data, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert "this machine has 0 CUDA GPU(s)" in refusal(capsys, train.main, TINY + ["--device=cuda"])
+    assert "--device must be one of cpu, got 'cuda'" in refusal(capsys, train.main, TINY + ["--device=cuda"])
 
 
 def test_out_dir_that_is_a_file_or_under_one_is_one_line(tiny_data, capsys):
@@ -642,6 +647,14 @@ def test_ctrl_c_inside_torch_save_is_one_line(tmp_path, monkeypatch, capsys):
     assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
     with pytest.raises(RuntimeError):  # any other RuntimeError stays one
         configurator.run(lambda argv: torch.zeros(2) @ torch.zeros(3))
+
+
+def test_out_of_memory_is_one_line(capsys):
+    """No memory prediction any more: a batch that does not fit ends in one line, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        configurator.run(lambda argv: torch.empty(10 ** 14))  # 400 TB: the allocator refuses at once
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: out of memory") and err.count("\n") == 1
 
 
 def _save_forever(path):
@@ -798,4 +811,5 @@ def test_mfu_only_against_a_given_peak(tiny_data, capsys, monkeypatch):
     model = GPT(GPTConfig(vocab_size=14, **{key: cfg(TINY)[key] for key in train.MODEL_KEYS}))
     step_flops = model.flops_per_token(loops, min(loops, 1), 16) * 4 * 16  # bptt_k 1, batch 4, block 16
     assert metrics("p")[1]["mfu"] == pytest.approx(step_flops / 1e9)
+    assert metrics("p")[1]["flops_per_s"] == pytest.approx(step_flops)  # the dense twin's parity is read from it
     assert f"mfu {step_flops / 1e9:.1%}" in capsys.readouterr().out

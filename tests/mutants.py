@@ -1,0 +1,89 @@
+"""Would the tests notice? Each mutant is one deliberate bug in a copy of the repository; the tests named
+beside it must fail on it. Not collected by pytest (no test_ prefix); run it alone, it takes minutes:
+
+    OMP_NUM_THREADS=1 python tests/mutants.py            # every mutant
+    OMP_NUM_THREADS=1 python tests/mutants.py kl ddp     # those whose name contains a word given
+
+Prints one line per mutant, `caught` or `MISSED`, and exits 1 if any was missed.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name: (file, the line as it is, the line as the bug has it, the tests that must catch it)
+MUTANTS = {
+    "ddp: the gradient all-reduce deleted": (
+        "train.py", "dist.all_reduce(p.grad)", "pass", "tests/test_train.py -k ddp"),
+    "ddp: the gradients divided by the world size twice": (
+        "train.py", "p.grad /= world", "p.grad /= world * world", "tests/test_train.py -k ddp"),
+    "kl: token_kl's direction reversed": (
+        "model.py", "return (log_p.exp() * (log_p - log_q)).sum(-1)",
+        "return (log_q.exp() * (log_q - log_p)).sum(-1)", "tests/test_model.py"),
+    "kl: the trace's KL reversed": (
+        "evaluate.py", 'out["kl"].append(token_kl(logits, previous))',
+        'out["kl"].append(token_kl(previous, logits))', "tests/test_evaluate.py"),
+    "trace: argmax of the previous loop": (
+        "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
+        'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
+    "generation: the KL exit's carried logits dropped": (
+        "sample.py", "    if not needs_logits:  # one readout of every token's final state",
+        "    if True:  # one readout of every token's final state", "tests/test_sample.py -k adaptive"),
+    "generation: the new token's rotary position off by one": (
+        "model.py", "start = 0 if cache is None else cache.pos",
+        "start = 0 if cache is None else max(0, cache.pos - 1)", "tests/test_sample.py -k reference"),
+    "cache: a new token's K/V written one position late": (
+        "model.py", "self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k.to(",
+        "self.cache.k[layer][self.rows, :, self.pos + 1:self.pos + 1 + T] = k.to(", "tests/test_sample.py tests/test_model.py"),
+    "memory: the no-grad loops run with gradients, detached after": (
+        "model.py", "        with torch.no_grad():\n            for _ in range(loops - n_grad):\n                s = self.core_step(e, s)",
+        "        for _ in range(loops - n_grad):\n            s = self.core_step(e, s)\n        s = s.detach()",
+        "tests/test_model.py"),
+    "bootstrap: each array resampled apart (pairing lost)": (
+        "evaluate.py", "resampled = {name: array[..., pick] for name, array in per_window.items()}",
+        "resampled = {name: array[..., rng.integers(0, n_windows, n_windows)] for name, array in per_window.items()}",
+        "-k bootstrap tests/test_allocate.py tests/test_evaluate.py"),
+    "A2: labels that count the loop itself as later": (
+        "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i:] != argmax[i]).any(0)",
+        "tests/test_allocate.py -k label"),
+    "exits: a token may stop after loop 1": (
+        "allocate.py", "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]",
+        "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 2:]", "tests/test_allocate.py"),
+    "loop sampler: no clamp at max_loops": (
+        "train.py", "log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))",
+        "log_r = math.log(mean_loops) + spread * z", "tests/test_train.py -k sampler"),
+}
+
+
+def run_mutant(name, file, line, bug, tests):
+    """-> True if the named tests fail on a copy of the repository with the bug in place."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "data", "out*", "__pycache__"))
+        source = (copy / file).read_text()
+        if source.count(line) != 1:
+            raise SystemExit(f"{name}: {file} no longer holds its line once; update tests/mutants.py")
+        (copy / file).write_text(source.replace(line, bug))
+        command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True)
+        return result.returncode != 0
+
+
+def main(words):
+    missed = 0
+    for name, (file, line, bug, tests) in MUTANTS.items():
+        if words and not any(word in name for word in words):
+            continue
+        caught = run_mutant(name, file, line, bug, tests)
+        missed += not caught
+        print(f"{'caught' if caught else 'MISSED'}  {name}  ({tests})", flush=True)
+    sys.exit(1 if missed else 0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
