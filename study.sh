@@ -2,12 +2,12 @@
 # The laptop study, end to end on CPU, in one command: train the CPU default (randomized depth;
 # train.py prepares Shakespeare itself the first time), its fixed-depth control, the study model
 # (config/study.py: the default trained 2.5x longer) and its dense twin (config/study_dense.py);
-# evaluate them, run the allocation study on the default and the study model, time training against
-# the dense twin, and time generation at uniform depths and per-token exits with sample.py.
+# evaluate them, run the allocation study on the default and the study model, compare the study
+# model's training FLOP rate with its twin's (parity), and time generation with sample.py.
 #   ./study.sh                              (on 2 idle cores: see BENCHMARKS.md for its time)
 #   ./study.sh out-mine config/mine.py      another first run: its out_dir, then train.py arguments
 # A run whose out_dir already holds a checkpoint is kept, not retrained. Wall-clock per step:
-# <run>_times.txt; every script's output: <run>_study.log.
+# <run>_times.txt, with the parity line.
 set -euo pipefail
 cd "$(dirname "$0")"
 out=${1:-out-shakespeare}
@@ -38,7 +38,12 @@ step python evaluate.py --out_dir=out-study --loops=$loops
 step python evaluate.py --out_dir=out-study_dense --loops=1
 step python allocate.py --out_dir="$out"
 step python allocate.py --out_dir=out-study
-step python bench.py  # training: the recurrent model against its dense twin (FLOP/s)
+# parity: the median FLOP/s train.py logged for each step (metrics.jsonl), recurrent over dense
+python -c "
+import json, statistics
+def rate(run):
+    return statistics.median(json.loads(line)['flops_per_s'] for line in open(run + '/metrics.jsonl') if 'flops_per_s' in line)
+print(f'parity: recurrent / dense training FLOP/s = {rate(\"out-study\") / rate(\"out-study_dense\"):.3f}')" | tee -a "$times"
 # generation, greedy from a zero state: tokens/s, mean loops and FLOPs per token at each depth and exit
 for r in 2 4 6 8; do
     step python sample.py --out_dir="$out" --loops=$r --num_samples=8 --temperature=0 --max_new_tokens=128

@@ -30,15 +30,14 @@ MUTANTS = {
     "trace: argmax of the previous loop": (
         "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
         'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
-    "generation: the KL exit's carried logits dropped": (
-        "sample.py", "    if not needs_logits:  # one readout of every token's final state",
-        "    if True:  # one readout of every token's final state", "tests/test_sample.py -k adaptive"),
+    "generation: the KL exit's carried logits never updated (tests against loop 1's)": (
+        "sample.py", "            logits[rows] = logits_new.float()", "            pass", "tests/test_sample.py -k adaptive"),
     "generation: the new token's rotary position off by one": (
         "model.py", "start = 0 if cache is None else cache.pos",
         "start = 0 if cache is None else max(0, cache.pos - 1)", "tests/test_sample.py -k reference"),
     "cache: a new token's K/V written one position late": (
-        "model.py", "self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k.to(",
-        "self.cache.k[layer][self.rows, :, self.pos + 1:self.pos + 1 + T] = k.to(", "tests/test_sample.py tests/test_model.py"),
+        "model.py", "self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k\n",
+        "self.cache.k[layer][self.rows, :, self.pos + 1:self.pos + 1 + T] = k\n", "tests/test_sample.py tests/test_model.py"),
     "memory: the no-grad loops run with gradients, detached after": (
         "model.py", "        with torch.no_grad():\n            for _ in range(loops - n_grad):\n                s = self.core_step(e, s)",
         "        for _ in range(loops - n_grad):\n            s = self.core_step(e, s)\n        s = s.detach()",
@@ -47,8 +46,8 @@ MUTANTS = {
         "evaluate.py", "resampled = {name: array[..., pick] for name, array in per_window.items()}",
         "resampled = {name: array[..., rng.integers(0, n_windows, n_windows)] for name, array in per_window.items()}",
         "-k bootstrap tests/test_allocate.py tests/test_evaluate.py"),
-    "A2: labels that count the loop itself as later": (
-        "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i:] != argmax[i]).any(0)",
+    "A2: labels that overlook a change at the very next loop": (
+        "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i + 2:] != argmax[i]).any(0)",
         "tests/test_allocate.py -k label"),
     "exits: a token may stop after loop 1": (
         "allocate.py", "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]",
