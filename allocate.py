@@ -246,7 +246,7 @@ def print_report(res):
     exits = ["A1", "A1s", "A2"]
     rows = []
     for row in res["table"]:
-        uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # below r = 1
+        uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # no A0 below 1 loop
         deltas = [show(row[policy]) for policy in exits]
         rows.append([f"{row['loops']:.3g}", uniform] + deltas)
     at_bar = res["at_bar"]

@@ -84,7 +84,7 @@ def parse_argv(argv, defaults):
             if args and not args[0].startswith("--"):
                 text = args.pop(0)
         # a text setting takes the text as it is (--start=1 is "1"); anything else is a Python literal
-        if isinstance(defaults.get(key), str) or text is True:
+        if key not in defaults or isinstance(defaults[key], str) or text is True:  # an unknown key: see configure
             given[key] = text
             continue
         try:

@@ -60,7 +60,7 @@ def load_windows(path, bin_dtype, n, length, seed):
 
 
 def token_class(text):
-    """Byte-level BPE glues spaces on (' ('); part of a character (U+FFFD) counts as a word."""
+    """One of CLASSES for a token: ' (' (a space carried) is punctuation, a partial character (U+FFFD) a word."""
     if text.isspace():
         return "space"
     if any(ch.isdigit() for ch in text):

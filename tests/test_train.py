@@ -256,6 +256,7 @@ def test_configurator_errors(tmp_path, capsys):
     bare = cfg(["--overwrite_checkpoint", "--compile", "False", "--max_iters", "7"])  # a bare boolean flag is True
     assert (bare["overwrite_checkpoint"], bare["compile"], bare["max_iters"]) == (True, False, 7)
     for bad, message in ((["--nope=1"], "unknown setting 'nope'"),
+                         (["--out_dri=out-x"], "unknown setting 'out_dri'"),  # a typo, not "cannot parse"
                          (["--max_iters=abc"], "--max_iters: cannot parse 'abc'"),
                          (["--max_iters=1.5"], "--max_iters: expected int, got 1.5"),
                          (["--compile=1"], "--compile: expected bool, got 1"),
