@@ -105,8 +105,8 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
     initial state of every position; pick(logits (B, V)) -> (B,) chooses. The prompt runs
     prompt_loops loops a token; each new token runs `depth` (a DepthPolicy)."""
     B, T0 = idx.shape
-    block = model.config.block_size
     c = model.config
+    block = c.block_size
     caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
               "coda": model.new_cache(c.n_coda, B)}
     tokens = idx  # the prompts and every token chosen so far
