@@ -31,6 +31,7 @@ dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail
 RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "timing_windows": (1, math.inf),
          "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16"), "device": DEVICES}  # a seed torch.Generator takes
 MOVING_KL = 1e-3  # the paper's "still moving" line and its token classes' exit, fixed so that runs compare
+SATURATION_TOL = 0.002  # nats: the smallest loss gap the paper reports as an effect (fixed before issue 31's runs)
 CLASSES = ("space", "numeral", "punctuation", "word")
 
 
@@ -166,6 +167,24 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
     return {"value": float(value), "interval": interval}
 
 
+def saturation(losses, swept, mean):
+    """losses (loops, n, T) -> the saturation depth, the smallest swept r whose loss is within SATURATION_TOL
+    of the best swept depth's up to 4 x mean_loops, and the useful range, loss(1) - loss(saturation depth),
+    each with its 95% interval over paired resamples of the windows."""
+    depths = [r for r in swept if r <= 4 * mean]  # swept always holds 1
+    per_window = {"loss": losses[[r - 1 for r in depths]].double().mean(2).numpy()}  # (depths, windows)
+
+    def depth_index(resampled):
+        loss = resampled["loss"].mean(1)
+        return int(np.argmax(loss <= loss.min() + SATURATION_TOL))  # argmax finds the first True
+
+    def useful_range(resampled):
+        loss = resampled["loss"].mean(1)
+        return loss[0] - loss[depth_index(resampled)]
+    return {"depth": paired_bootstrap(lambda resampled: depths[depth_index(resampled)], per_window, 1000, 0),
+            "useful_range": paired_bootstrap(useful_range, per_window, 1000, 0)}
+
+
 def convergence_depth(kl):
     """kl (loops 2..n, tokens) -> per token the loop after which its KL stays <= MOVING_KL:
     1 if it never moved, n + 1 if it still moves at loop n."""
@@ -261,6 +280,11 @@ def main(argv=()):
     el = sweep(traced["loss"], speed, meta)
     columns = "loops:d loss:.4f bits_per_byte:.4f tokens_per_s:.0f"
     table(f"Elasticity / cost curve (noise init, {len(wins)} windows)", el, columns)
+    sat = saturation(traced["loss"], swept, mean)
+    depth, gain = sat["depth"], sat["useful_range"]
+    print(f"\nsaturation depth {depth['value']:g} {np.round(depth['interval'], 2).tolist()} (within {SATURATION_TOL} "
+          f"nats of the best r <= {4 * mean}), useful range from r=1 {gain['value']:.4f} "
+          f"{np.round(gain['interval'], 4).tolist()} nats")
     # 4) the convergence table and depth by token class, from loop 2 (loop 1 has no successive KL)
     diag = {key: values[1:n_diag].flatten(1) for key, values in traced.items()}  # each (loops, windows x T)
     cv = convergence(diag["kl"], diag["dstate"], diag["loss"], mean)
@@ -271,7 +295,7 @@ def main(argv=()):
     table(f"Depth by token class (exit at KL < {MOVING_KL})", tc, "class:s count:d mean_exit_depth:.2f")
     # 5) every number above, in eval.json
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"], "mean_loops": mean,
-           "elasticity": el, "convergence": cv, "token_classes": tc, "seconds": time.perf_counter() - started}
+           "elasticity": el, "saturation": sat, "convergence": cv, "token_classes": tc, "seconds": time.perf_counter() - started}
     save_atomic(result, res)
     print(f"\nwrote {result}")
     return res

@@ -253,7 +253,7 @@ def test_trace_states_stay_float32_under_bf16_autocast(indir):
 def test_eval_json_schema_and_ranges(indir, result):
     res, saved = result
     assert saved == json.loads(json.dumps(res))
-    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "convergence",
+    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "saturation", "convergence",
                           "token_classes", "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["dtype"] == "float32"
     assert saved["checkpoint"] == "test@40" and saved["dataset"] == "tiny" and saved["mean_loops"] == 4
