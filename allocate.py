@@ -11,21 +11,22 @@ score is below the threshold, or at r_max, and scores the loss it had there. Thi
 as if alone: in a real run a stopped token would show the others its held state, not its next one
 (the paper's masking harness; README gives the measured difference). The policies are compared at
 matched average loops, and by the loops and FLOPs per token at which each reaches the bar (uniform
-depth at mean_loops), with paired bootstrap 95% intervals.
+depth at mean_loops), with paired bootstrap 95% intervals; then A1's mean exit depth by token class.
 
     python allocate.py --out_dir=out-shakespeare
 """
 import os
 import time
+import unicodedata
 from math import inf
 
 import numpy as np
 import torch
 
 from configurator import UserError, configure, run
-from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, trace
+from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, show, table, trace_windows
 from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
-from prepare import open_dataset
+from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
 windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
@@ -40,8 +41,10 @@ dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small K
 RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
              bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"), device=DEVICES)
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
-SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score in exit_scores' trace
+SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score in the trace
+TRACED = ("loss", "kl", "dstate_rel", "argmax")  # what the policies read off the trace
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
+CLASSES = ("space", "numeral", "punctuation", "word")
 
 
 # ---- A2: the oracle-labelled router
@@ -84,23 +87,6 @@ def probe_exit_test(probe):
     return ExitTest(score, lambda config: 4 * config.n_embd, needs_logits=False)
 
 
-def exit_scores(model, wins, C, r_max, probe=None):
-    """Trace windows (n, T + 1) to r_max from a zero state -> (r_max, n, T) each, on the CPU: the
-    loss, the exits' scores (kl, dstate_rel and, with a probe, A2's) and the argmax after every
-    loop; without a probe, the states instead of its scores (to fit one on)."""
-    # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
-    parts = {"loss": [], "kl": [], "dstate_rel": [], "argmax": [], "probe": [], "state": []}
-    for batch in wins.split(C.batch_size):
-        traced = trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True)
-        for key in ("loss", "kl", "dstate_rel", "argmax"):
-            parts[key].append(traced[key].cpu())
-        if probe is None:
-            parts["state"].append(traced["state"].float().cpu())
-        else:  # not the states themselves: r_max x n x T x d is too big to keep
-            parts["probe"].append(probe(traced["state"]).cpu())
-    return {key: torch.cat(values, 1) for key, values in parts.items() if values}
-
-
 def log_grid(scores, n):
     """n thresholds, geometric between the 1st and 99th percentiles of the positive scores."""
     # the scores span decades (KL 1e-1 at loop 2, 1e-5 in the tail): a geometric grid over their
@@ -114,7 +100,7 @@ def fit_router(model, train_wins, C, r_max):
     """A2's probe, and every exit's threshold grid, from training windows only: tuned on the
     evaluation windows, they would flatter the exits. -> (the probe: states -> P(argmax changes
     later), grids {policy: thresholds})"""
-    traced = exit_scores(model, train_wins, C, r_max)
+    traced = trace_windows(model, train_wins, r_max, C.batch_size, TRACED, states_as=("state", torch.Tensor.float))
     labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
     states = traced["state"][:-1]
     probe = fit_probe(states.flatten(0, 2), labels.flatten())
@@ -226,18 +212,42 @@ def summarize(per_window, C, mean):
     return res
 
 
+# ---- which tokens run deep
+def token_class(text):
+    """One of CLASSES for a token: ' (' (a space carried) is punctuation, a partial character (U+FFFD) a word."""
+    if text.isspace():
+        return "space"
+    if any(ch.isdigit() for ch in text):
+        return "numeral"
+    kinds = {unicodedata.category(ch)[0] for ch in text.strip()}
+    if kinds and "\ufffd" not in text and kinds <= {"P", "S"}:
+        return "punctuation"
+    return "word"
+
+
+def token_classes(traced, per_window, grids, bar, inputs, decode):
+    """The paper's "mean exit depth" by token class, read as A1's at its operating point: the loops each token
+    runs at the largest threshold on the grid whose loss reaches the bar (the smallest if none does), by the
+    class of the token at its position (the one that exits, not the one it predicts). inputs (n, T)."""
+    # Not the first loop with KL < 1e-3 (evaluate.py's "still moving" line): at S1, 96% of tokens still
+    # move at loop 4, so the paper's 3.58-4.25 loops must be an exit's at a looser threshold, such as this one.
+    losses = per_window["A1", "loss"].mean(1)
+    reaching = [threshold for threshold, loss in zip(grids["A1"], losses) if loss <= bar]
+    threshold = max(reaching, default=min(grids["A1"]))
+    exits = exit_depth(traced["kl"][MIN_EXIT_LOOP - 1:], threshold).flatten().numpy()
+    classes = np.array([token_class(decode([i])) for i in inputs.flatten().tolist()])
+    rows = []
+    for name in CLASSES:
+        picked = exits[classes == name]
+        row = {"class": name, "count": picked.size}
+        if picked.size:  # a class these windows lack has no mean
+            row["mean_exit_depth"] = picked.mean()
+        rows.append(row)
+    rows.append({"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()})
+    return {"threshold": threshold, "rows": rows}
+
+
 # ---- the report
-def show(estimate, spec="+.4f", scale=1):
-    """'value [low, high]' of an estimate (divided by scale, formatted by spec), or '-' without a value."""
-    if estimate["value"] is None:
-        return "-"
-    text = format(estimate["value"] / scale, spec)
-    if estimate["interval"] is not None:
-        low, high = (format(v / scale, spec) for v in estimate["interval"])
-        text += f" [{low}, {high}]"
-    return text
-
-
 def print_report(res):
     print(f"\n## Allocation against uniform depth: {res['windows']} windows, r_max {res['r_max']}; the bar is "
           f"uniform r={res['mean_loops']}'s loss, {res['bar']:.4f}\n")
@@ -259,6 +269,9 @@ def print_report(res):
     print(markdown(headers, rows))
     probe = res["probe"]
     print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
+    classes = res["token_classes"]
+    table(f"A1's exit depth by class of the exiting token, at its threshold {classes['threshold']:.3g}",
+          classes["rows"], "class:s count:d mean_exit_depth:.2f")
 
 
 def main(argv=()):
@@ -281,13 +294,16 @@ def main(argv=()):
     started = time.perf_counter()
     with autocast(C.device, C.dtype):
         probe, grids = fit_router(model, train_wins.to(C.device), C, r_max)
-        traced = exit_scores(model, wins.to(C.device), C, r_max, probe)
+        # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
+        traced = trace_windows(model, wins.to(C.device), r_max, C.batch_size, TRACED, states_as=("probe", probe))
     # 3) every policy read off it, compared with uniform depth, reported; then saved, window by window
     tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
     per_window = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
            "windows": C.windows, "probe": probe_accuracy(traced)}
     res |= summarize(per_window, C, mean)
+    _, decode = load_tokenizer(data_dir)
+    res["token_classes"] = token_classes(traced, per_window, grids, res["bar"], wins[:, :-1], decode)
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds
     res["settings"] = {"A0": list(range(1, r_max + 1))} | grids

@@ -1,14 +1,13 @@
 """A checkpoint on its validation split: how its loss and its tokens depend on the depth.
 
 One pass over the windows, loop by loop from training's initial noise (`trace`), gives the sweep (the loss at
-each loop count), the convergence table and depth by token class; tokens/s at batch 1 are timed apart.
+each loop count), the saturation depth and the convergence table; tokens/s at batch 1 are timed apart.
 
     python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8  # every number: out_dir/eval.json
 """
 import math
 import os
 import time
-import unicodedata
 from collections import defaultdict
 
 import numpy as np
@@ -17,11 +16,10 @@ from tqdm import tqdm
 
 from configurator import UserError, configure, run
 from model import DEVICES, autocast, checkpoint_id, load_checkpoint, save_atomic, state_change, token_kl, token_loss
-from prepare import bits_per_byte, load_tokenizer, open_dataset
+from prepare import bits_per_byte, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
 loops = ""  # the sweep, e.g. "1,2,4,8" (1 and mean_loops always in it); "": 1, 2, mean/2, mean, 2x, 4x mean
-diag_loops = 0  # loops of the convergence table and the token classes; 0: 2 x mean_loops
 windows = 64  # validation windows of block_size + 1 tokens
 batch_size = 8  # windows per forward
 timing_windows = 4  # batch-1 forwards timed per loop count
@@ -30,9 +28,8 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail (~1e-5), where it is read
 RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "timing_windows": (1, math.inf),
          "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16"), "device": DEVICES}  # a seed torch.Generator takes
-MOVING_KL = 1e-3  # the paper's "still moving" line and its token classes' exit, fixed so that runs compare
+MOVING_KL = 1e-3  # the paper's "still moving" line, fixed so that runs compare
 SATURATION_TOL = 0.002  # nats: the smallest loss gap the paper reports as an effect (fixed before issue 31's runs)
-CLASSES = ("space", "numeral", "punctuation", "word")
 
 
 def loop_counts(text, mean):
@@ -58,18 +55,6 @@ def load_windows(path, bin_dtype, n, length, seed):
     picked = order[:n].sort().values.numpy()
     grid = data[:slots * length].reshape(slots, length)  # a view: only the picked rows are read
     return torch.from_numpy(grid[picked].astype(np.int64))
-
-
-def token_class(text):
-    """One of CLASSES for a token: ' (' (a space carried) is punctuation, a partial character (U+FFFD) a word."""
-    if text.isspace():
-        return "space"
-    if any(ch.isdigit() for ch in text):
-        return "numeral"
-    kinds = {unicodedata.category(ch)[0] for ch in text.strip()}
-    if kinds and "\ufffd" not in text and kinds <= {"P", "S"}:
-        return "punctuation"
-    return "word"
 
 
 @torch.no_grad()
@@ -100,16 +85,17 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
     return {key: torch.stack(values) for key, values in out.items()}
 
 
-def trace_windows(model, wins, n_loops, C):
-    """trace from noise over every window (n, T + 1) -> loss, kl, dstate, each (n_loops, n, T) on the CPU.
-    Its loss at loop r is model.forward's at r loops: the same steps, the same noise from one generator."""
-    generator = torch.Generator(device=C.device).manual_seed(C.seed)
+def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", generator=None, states_as=None):
+    """trace over windows (n, T + 1), batch by batch -> {key: (n_loops, n, T)} on the CPU for each of keys; with
+    states_as = (name, fn), also {name: fn(the states (n_loops, B, T, d))}: the states are too big to keep."""
     parts = defaultdict(list)
-    for batch in tqdm(wins.split(C.batch_size), leave=False):
-        with autocast(C.device, C.dtype):
-            traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, "noise", generator)
-        for key in ("loss", "kl", "dstate"):
+    for batch in tqdm(wins.split(batch_size), leave=False):
+        traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, state_init, generator, states_as is not None)
+        for key in keys:
             parts[key].append(traced[key].cpu())
+        if states_as is not None:
+            name, fn = states_as
+            parts[name].append(fn(traced["state"]).cpu())
     return {key: torch.cat(values, 1) for key, values in parts.items()}
 
 
@@ -137,11 +123,9 @@ def sweep(losses, speed, meta):
     rows = []
     for r, tokens_per_s in speed.items():
         loss = loss_at[r - 1].item()
-        row = {"loops": r, "loss": loss, "tokens_per_s": tokens_per_s}
+        # per byte, losses compare across tokenizers (nan for a dataset without its byte count)
         bits = bits_per_byte(loss, meta)
-        if math.isfinite(bits):  # the split's bytes are known: per byte, losses compare across tokenizers
-            row["bits_per_byte"] = bits
-        rows.append(row)
+        rows.append({"loops": r, "loss": loss, "bits_per_byte": bits, "tokens_per_s": tokens_per_s})
     return rows
 
 
@@ -167,10 +151,24 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
     return {"value": float(value), "interval": interval}
 
 
+def show(estimate, spec="+.4f", scale=1):
+    """'value [low, high]' of an estimate (divided by scale, formatted by spec), or '-' without a value."""
+    if estimate["value"] is None:
+        return "-"
+    text = format(estimate["value"] / scale, spec)
+    if estimate["interval"] is not None:
+        low, high = (format(v / scale, spec) for v in estimate["interval"])
+        text += f" [{low}, {high}]"
+    return text
+
+
 def saturation(losses, swept, mean):
     """losses (loops, n, T) -> the saturation depth, the smallest swept r whose loss is within SATURATION_TOL
     of the best swept depth's up to 4 x mean_loops, and the useful range, loss(1) - loss(saturation depth),
     each with its 95% interval over paired resamples of the windows."""
+    # Issue 31's test of the paper's "a recursive model uses depth up to its training mean and no further".
+    # Past its best depth a curve is flat and noise picks the minimum: the tolerance keeps that noise out
+    # of the depth, and the interval says how far the windows move it (between swept depths: interpolated).
     depths = [r for r in swept if r <= 4 * mean]  # swept always holds 1
     per_window = {"loss": losses[[r - 1 for r in depths]].double().mean(2).numpy()}  # (depths, windows)
 
@@ -219,22 +217,6 @@ def convergence(kl, dstate, loss, mean):
     return cv
 
 
-def token_classes(kl, targets, decode):
-    """kl (loops 2..n, n x T), targets (n, T) -> a row per class of target token (the one the model predicts,
-    not the one it reads: issue 32 asks which matters): its mean exit depth, the first loop with KL < MOVING_KL."""
-    exits = exit_depth(kl, MOVING_KL).double().numpy()
-    classes = np.array([token_class(decode([i])) for i in targets.flatten().tolist()])
-    rows = []
-    for name in CLASSES:
-        picked = exits[classes == name]
-        row = {"class": name, "count": picked.size}
-        if picked.size:  # a class these windows lack has no mean
-            row["mean_exit_depth"] = picked.mean()
-        rows.append(row)
-    rows.append({"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()})
-    return rows
-
-
 def markdown(headers, rows):
     """A markdown table of headers and rows of cells."""
     lines = []
@@ -265,37 +247,34 @@ def main(argv=()):
         raise UserError(f"cannot write {result}")
     mean = model.config.mean_loops
     swept = loop_counts(C.loops, mean)
-    n_diag = C.diag_loops or 2 * mean
-    if n_diag < max(2, mean):
-        raise UserError(f"--diag_loops {n_diag}: needs at least 2 and mean_loops ({mean})")
+    n_diag = 2 * mean  # the convergence table's loops: the paper's reads to loop 16 at mean 8
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=("val",))
-    _, decode = load_tokenizer(data_dir)
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed).to(C.device)
-    print(f"{path}: {checkpoint_id(ckpt)}, mean_loops {mean}")
     # 2) one pass, as deep as the sweep and the convergence table both need
-    traced = trace_windows(model, wins, max(*swept, n_diag), C)
+    # from training's noise, one generator for all windows: the loss at loop r is model.forward's at r loops
+    generator = torch.Generator(device=C.device).manual_seed(C.seed)
+    with autocast(C.device, C.dtype):
+        n_loops = max(*swept, n_diag)
+        traced = trace_windows(model, wins, n_loops, C.batch_size, ("loss", "kl", "dstate"), "noise", generator)
     # 3) the sweep: the loss at each swept r, and its speed
     speed = {r: tokens_per_second(model, wins, r, C) for r in swept}
     el = sweep(traced["loss"], speed, meta)
     columns = "loops:d loss:.4f bits_per_byte:.4f tokens_per_s:.0f"
-    table(f"Elasticity / cost curve (noise init, {len(wins)} windows)", el, columns)
+    table(f"Elasticity / cost curve of {checkpoint_id(ckpt)} (noise init, {len(wins)} windows)", el, columns)
+    # 4) the saturation depth: the first swept depth past which more loops buy less than SATURATION_TOL
     sat = saturation(traced["loss"], swept, mean)
-    depth, gain = sat["depth"], sat["useful_range"]
-    print(f"\nsaturation depth {depth['value']:g} {np.round(depth['interval'], 2).tolist()} (within {SATURATION_TOL} "
-          f"nats of the best r <= {4 * mean}), useful range from r=1 {gain['value']:.4f} "
-          f"{np.round(gain['interval'], 4).tolist()} nats")
-    # 4) the convergence table and depth by token class, from loop 2 (loop 1 has no successive KL)
+    print(f"\nsaturation depth {show(sat['depth'], 'g')} (95% interval): the first swept r within {SATURATION_TOL} "
+          f"nats of the best r <= {4 * mean}; useful range {show(sat['useful_range'], '.4f')} nats, gained from r=1")
+    # 5) the convergence table, from loop 2 (loop 1 has no successive KL)
     diag = {key: values[1:n_diag].flatten(1) for key, values in traced.items()}  # each (loops, windows x T)
     cv = convergence(diag["kl"], diag["dstate"], diag["loss"], mean)
     columns = "loop:d mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f"
     table(f"Convergence (a token moves while its KL > {MOVING_KL})", cv["rows"], columns)
     print(f"\nmedian convergence depth (the loop after which a token stays still): {cv['median_depth']}")
-    tc = token_classes(diag["kl"], wins[:, 1:], decode)
-    table(f"Depth by token class (exit at KL < {MOVING_KL})", tc, "class:s count:d mean_exit_depth:.2f")
-    # 5) every number above, in eval.json
+    # 6) every number above, in eval.json
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"], "mean_loops": mean,
-           "elasticity": el, "saturation": sat, "convergence": cv, "token_classes": tc, "seconds": time.perf_counter() - started}
+           "elasticity": el, "saturation": sat, "convergence": cv, "seconds": time.perf_counter() - started}
     save_atomic(result, res)
     print(f"\nwrote {result}")
     return res

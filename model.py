@@ -20,13 +20,12 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from configurator import UserError
 
 CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
 CKPT_KEYS = ("model_args", "model", "optimizer", "iter_num", "config", "rng")  # what train.py saves
-LOGITS_CHUNK = 2 ** 27  # logits per loss chunk: 512 MB in float32
+LOGITS_CHUNK = 2 ** 27  # logits per chunk of the KL and loss per token: 512 MB in float32
 MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before loop 2
 
 
@@ -294,21 +293,8 @@ class GPT(nn.Module):
             s = self.core_step(e, s)
         if targets is None:
             return self.readout(s), None
-        # the readout without its head: chunked_loss applies the head a chunk of tokens at a time
-        x = self.norm(self.coda_blocks(s, *self.rope(s.size(1))))
-        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
-
-    def chunked_loss(self, x, targets):
-        """Mean cross-entropy of x (N, d) against targets (N,), -1 ignored. The logits of a whole
-        batch need not fit: the head runs by chunks, each recomputed in backward."""
-        def loss_sum(x, y):  # a float32 softmax under any autocast
-            logits = self.lm_head(x).float()
-            return F.cross_entropy(logits, y, ignore_index=-1, reduction="sum")
-        rows = max(1, LOGITS_CHUNK // self.config.vocab_size)
-        total = 0
-        for x_rows, y_rows in zip(x.split(rows), targets.split(rows)):
-            total = total + checkpoint(loss_sum, x_rows, y_rows, use_reentrant=False)
-        return total / (targets != -1).sum().clamp_min(1)
+        logits = self.readout(s).float()  # a float32 softmax under any autocast
+        return None, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
     # ---- the FLOP ledger: one count for MFU, the FLOP rate train.py logs and allocate.py
     def flop_terms(self, T):
@@ -409,10 +395,10 @@ def uniform_depth(loops):
 
 
 EXIT_TESTS = {
-    # two log-softmaxes, a difference and a product per vocabulary entry
-    "kl": ExitTest(kl_score, lambda config: 8 * config.vocab_size, needs_logits=True),
-    # a difference and two norms per state channel
-    "state": ExitTest(state_score, lambda config: 6 * config.n_embd, needs_logits=False),
+    # per vocabulary entry: two log-softmaxes (4 each: max, exp, sum, log), an exp, a difference, a product, a sum
+    "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True),
+    # per state channel: a difference and two norms (2 each: a square and a sum)
+    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, needs_logits=False),
 }
 
 

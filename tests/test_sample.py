@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-import allocate
 import configurator
 import model as model_lib
 import prepare
@@ -477,10 +476,12 @@ def test_main_starts_from_zero_and_reports_loops(tiny, capsys, monkeypatch):
     _, text, err = run_main(capsys, *args)
     assert text.count(SEP) == 2 and text.startswith("The king")
     assert re.search(r"^loops per new token \(loops:tokens\):( \d+:\d+)+$", err, re.M)
+    assert "warning" not in err
     assert run_main(capsys, *args)[1] == text
-    run_main(capsys, "--num_samples=1")
+    assert "warning" not in run_main(capsys, "--num_samples=1", "--state_init=noise")[2]  # no exit: no thresholds
     _, _, err = run_main(capsys, *args, "--state_init=noise")
-    assert inits == ["zero", "zero", "zero", "noise"]  # zero unless told: allocate.py calibrates from zero
+    assert inits == ["zero", "zero", "noise", "noise"]  # zero unless told: allocate.py calibrates from zero
+    assert err.startswith("warning: allocate.py calibrates the exits' thresholds from a zero state")
 
 
 def test_r_max_defaults_to_the_models_max_loops(tiny, capsys):
