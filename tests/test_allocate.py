@@ -231,7 +231,8 @@ def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
 def test_the_reading_matches_the_masking_harness(trained, name):
     """The reading's only difference from the paper's harness is by design (README): a token is read as if
     alone, where in the harness the others see its held state once it stops. On this model, at a threshold
-    where the exits really differ, it moves the mean loss by under 0.002 nats and the mean loops by under 0.1."""
+    where the exits really differ, it moves the mean loss by under 0.001 nats (0.002 for A2's toy probe, measured
+    at 0.0014) and the mean loops by under 0.1: less than the effects README reports (0.0003-0.0022 nats)."""
     _, model, X, Y = trained
 
     def probe(s):  # any function of the state
@@ -240,7 +241,8 @@ def test_the_reading_matches_the_masking_harness(trained, name):
     threshold = traced[allocate.SCORES[name]][2].median().item()
     per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold, probe)
     assert 2.5 < masked_loops.float().mean() < R_MAX - 0.5  # the exits really differ
-    assert abs(per_window[name, "loss"].mean() - masked_loss.double().mean().item()) < 0.002
+    tolerance = 0.002 if name == "A2" else 0.001
+    assert abs(per_window[name, "loss"].mean() - masked_loss.double().mean().item()) < tolerance
     assert abs(per_window[name, "loops"].mean() - masked_loops.double().mean().item()) < 0.1
 
 
