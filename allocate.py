@@ -228,9 +228,9 @@ def token_class(text):
 def token_classes(traced, per_window, grids, bar, inputs, decode):
     """The paper's "mean exit depth" by token class, read as A1's at its operating point: the loops each token
     runs at the largest threshold on the grid whose loss reaches the bar (the smallest if none does), by the
-    class of the token at its position (the one that exits, not the one it predicts). inputs (n, T)."""
+    class of the token at its position (the one that exits). traced["kl"] (r_max, n, T), inputs (n, T)."""
     # Not the first loop with KL < 1e-3 (evaluate.py's "still moving" line): at S1, 96% of tokens still
-    # move at loop 4, so the paper's 3.58-4.25 loops must be an exit's at a looser threshold, such as this one.
+    # move at loop 4, so the paper's 3.58-4.25 loops are most likely an exit's at a looser threshold.
     losses = per_window["A1", "loss"].mean(1)
     reaching = [threshold for threshold, loss in zip(grids["A1"], losses) if loss <= bar]
     threshold = max(reaching, default=min(grids["A1"]))
@@ -286,6 +286,7 @@ def main(argv=()):
     if r_max < max(MIN_EXIT_LOOP, mean):
         raise UserError(f"--r_max={r_max}: needs at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
+    _, decode = load_tokenizer(data_dir)  # before the work: A1's token classes need it
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
     train_wins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
@@ -302,7 +303,6 @@ def main(argv=()):
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
            "windows": C.windows, "probe": probe_accuracy(traced)}
     res |= summarize(per_window, C, mean)
-    _, decode = load_tokenizer(data_dir)
     res["token_classes"] = token_classes(traced, per_window, grids, res["bar"], wins[:, :-1], decode)
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds

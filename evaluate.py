@@ -87,13 +87,13 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
 
 def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", generator=None, states_as=None):
     """trace over windows (n, T + 1), batch by batch -> {key: (n_loops, n, T)} on the CPU for each of keys; with
-    states_as = (name, fn), also {name: fn(the states (n_loops, B, T, d))}: the states are too big to keep."""
+    states_as = (name, fn), also {name: fn(each batch's states (n_loops, B, T, d)), joined along the windows}."""
     parts = defaultdict(list)
     for batch in tqdm(wins.split(batch_size), leave=False):
         traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, state_init, generator, states_as is not None)
         for key in keys:
             parts[key].append(traced[key].cpu())
-        if states_as is not None:
+        if states_as:
             name, fn = states_as
             parts[name].append(fn(traced["state"]).cpu())
     return {key: torch.cat(values, 1) for key, values in parts.items()}
@@ -123,8 +123,8 @@ def sweep(losses, speed, meta):
     rows = []
     for r, tokens_per_s in speed.items():
         loss = loss_at[r - 1].item()
-        # per byte, losses compare across tokenizers (nan for a dataset without its byte count)
-        bits = bits_per_byte(loss, meta)
+        # per byte, losses compare across tokenizers (None for a dataset without its byte count: JSON has no nan)
+        bits = bits_per_byte(loss, meta) if "val_bytes" in meta else None
         rows.append({"loops": r, "loss": loss, "bits_per_byte": bits, "tokens_per_s": tokens_per_s})
     return rows
 

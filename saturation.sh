@@ -7,7 +7,8 @@
 # instead of 400: fewer tokens), evaluates each at loops 1 to max(16, 4 x mean), and prints one table
 # (saturation depth as evaluate.py defines it, with intervals) and figures/saturation.png.
 #   ./saturation.sh          (on 2 idle cores: see BENCHMARKS.md for its time; needs matplotlib for the figure)
-# A run whose out_dir already holds a checkpoint is kept, not retrained.
+# A run whose out_dir already holds a checkpoint is kept, not retrained; every run's eval.json is
+# written again (out-shakespeare's too, with this sweep).
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./study.sh  # its step and train
@@ -32,6 +33,7 @@ done
 # the table: each run's training distribution and FLOPs beside what evaluate.py measured
 python - $runs <<'PY' | tee out-saturation.md
 import json, sys
+from math import nan
 import torch
 from evaluate import markdown
 from model import GPT, GPTConfig
@@ -54,13 +56,14 @@ for run in sys.argv[1:]:
     gain = "{:.4f} [{:.4f}, {:.4f}]".format(sat["useful_range"]["value"], *sat["useful_range"]["interval"])
     rows.append([run, c["mean_loops"], c["loop_spread"], c["seed"], c["max_iters"], f"{flops / 1e15:.3f}",
                  f"{sat['depth']['value']:g} {interval}", gain, f"{loss[int(sat['depth']['value'])]:.4f}",
-                 f"{min(loss.values()):.4f}", f"{cv['median_depth']:g}", f"{cv.get('percent_moving_at_mean', 0):.1f}"])
+                 f"{min(loss.values()):.4f}", f"{cv['median_depth']:g}", f"{cv.get('percent_moving_at_mean', nan):.1f}"])
 print(markdown(["run", "mean", "spread", "seed", "steps", "train PFLOP", "saturation depth [95%]", "useful range, nats [95%]",
                 "loss at it", "best loss", "median convergence", "% moving at mean"], rows))
 try:
     import matplotlib.pyplot as plt
 except ImportError:
-    sys.exit("no matplotlib: no figure")
+    print("no matplotlib: no figure", file=sys.stderr)
+    sys.exit(0)
 for run, loss in curves.items():
     plt.plot(list(loss), list(loss.values()), marker="o", label=run)
 plt.xscale("log", base=2)

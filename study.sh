@@ -62,10 +62,16 @@ read -r mean a1 threshold < <(python -c "
 import json
 a = json.load(open('$out/allocate.json'))
 print(a['mean_loops'], a['at_bar']['A1']['loops']['value'], a['token_classes']['threshold'])")
-rate() {  # rate ARGS...: sample.py's tokens/s
-    python sample.py --out_dir="$out" --temperature=0 --max_new_tokens=128 "$@" 2>&1 >/dev/null |
-        grep -o '^[0-9.]* tokens/s' | cut -d' ' -f1
+rate() {  # rate ARGS...: sample.py's tokens/s, from its report on stderr (the text itself is dropped)
+    local report
+    report=$(python sample.py --out_dir="$out" --temperature=0 --max_new_tokens=128 "$@" 2>&1 >/dev/null) ||
+        { echo "$report" >&2; exit 1; }
+    echo "$report" | grep -o '^[0-9.]* tokens/s' | cut -d' ' -f1
 }
+if [ "$a1" = None ]; then
+    echo "A1 never reaches the bar: no bracket" | tee -a "$times"
+    exit 0
+fi
 for batch in 1 8; do
     uniform=$(rate --num_samples=$batch --loops="$mean")
     matched=$(rate --num_samples=$batch --loops="$(python -c "print(round($a1))")")

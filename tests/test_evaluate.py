@@ -146,6 +146,8 @@ def test_saturation_on_hand_made_curves():
     losses[3] += torch.tensor([0.003, -0.003, 0.003, -0.003])[:, None]  # resamples put it on either side
     sat = evaluate.saturation(losses, swept, mean)
     assert sat["depth"]["value"] == 4 and sat["depth"]["interval"] == [4.0, 6.0]
+    losses[15] -= 0.1  # r=16 = 4 x mean is the best now, far ahead of the others
+    assert evaluate.saturation(losses, swept, mean)["depth"]["value"] == 16
 
 
 def test_kl_of_a_distribution_with_itself_is_exactly_zero():
