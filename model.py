@@ -296,7 +296,7 @@ class GPT(nn.Module):
         logits = self.readout(s).float()  # a float32 softmax under any autocast
         return None, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
-    # ---- the FLOP ledger: one count for MFU, the FLOP rate train.py logs and allocate.py
+    # ---- the FLOP ledger: one count for the FLOP rate train.py logs (MFU) and for allocate.py
     def flop_terms(self, T):
         """Forward FLOPs per token of (the prelude, one loop, the readout) in a window of T:
         2 per matmul weight, and 4 * T * d per attention layer (scores and values)."""
