@@ -275,7 +275,7 @@ def print_report(res):
 
 
 def main(argv=()):
-    C, _ = configure([globals()], argv)
+    C, _ = configure(globals(), argv)
     # 1) the checkpoint, its data and the windows; every refusal before the work
     ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(ckpt_path, C.device)

@@ -13,7 +13,6 @@ import io
 import math
 import sys
 import tokenize
-import traceback
 from types import SimpleNamespace
 
 
@@ -60,10 +59,8 @@ def read_config_file(path):
     try:
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), scope)
-    except (Exception, SystemExit) as err:  # a user's file may raise anything: say where
-        frames = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == path]
-        line = getattr(err, "lineno", None) or (frames[-1] if frames else "?")
-        raise UserError(f"{path}:{line}: {type(err).__name__}: {err}") from None
+    except (Exception, SystemExit) as err:  # a user's file may raise anything: name the file
+        raise UserError(f"{path}: {type(err).__name__}: {err}") from None
     return {k: v for k, v in scope.items() if not k.startswith("_") and type(v).__name__ != "module"}
 
 
@@ -94,15 +91,13 @@ def parse_argv(argv, defaults):
     return given
 
 
-def configure(scripts, argv):
-    """Settings of one or more scripts' globals after argv -> (namespace, the keys argv set)."""
-    settings, rules = {}, {}
-    for script in scripts:
-        settings |= read_settings(script)
-        rules |= script.get("RULES", {})
+def configure(script, argv):
+    """A script's settings (its globals) after argv -> (namespace, the keys argv set)."""
+    settings = read_settings(script)
+    rules = script.get("RULES", {})
     defaults = {key: default for key, (default, _) in settings.items()}
     if "--help" in argv:
-        print(scripts[-1]["__doc__"].strip() + "\n\nsettings (--key=value):")
+        print(script["__doc__"].strip() + "\n\nsettings (--key=value):")
         for key, (default, comment) in settings.items():
             setting = f"--{key}={default!r}"
             print(f"  {setting:<32} {comment}")
@@ -116,12 +111,15 @@ def configure(scripts, argv):
 
 
 def run(main):
-    """A script's entry point: bad input is one line and exit 2, Ctrl-C one line and exit 130."""
+    """A script's entry point: what a user typed or pointed at is one line and exit 2 (a UserError, a
+    file or folder the OS refuses, the network, a missing package, out of memory), Ctrl-C exit 130."""
     try:
         main(sys.argv[1:])
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        fail(err)
+    except (OSError, ModuleNotFoundError) as err:  # OSError: a path, a permission, the network (ConnectionError)
+        install = f": pip install {err.name}" if isinstance(err, ModuleNotFoundError) else ""
+        fail(f"{err}{install}")
     except (KeyboardInterrupt, RuntimeError) as err:
         # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it
         if KeyboardInterrupt in (type(err), type(err.__context__)):
@@ -130,5 +128,9 @@ def run(main):
         # torch.OutOfMemoryError on a GPU; on a CPU the allocator's RuntimeError says so
         if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
             raise
-        print("error: out of memory: try a smaller batch or model", file=sys.stderr)
-        sys.exit(2)
+        fail("out of memory: try a smaller batch or model")
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)

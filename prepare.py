@@ -212,7 +212,7 @@ def write_dataset(tmp, C, train, val):
 
 def parse_settings(argv):
     """argv -> the settings, the source's defaults filled in; UserError for bad input."""
-    C, given = configure([globals()], argv)
+    C, given = configure(globals(), argv)
     path = Path(C.source)
     if C.source not in ("shakespeare", *HUB) and not (path.suffix == ".txt" and path.is_file()):
         raise UserError(f"--source={C.source}: not shakespeare, tinystories, fineweb-edu or a .txt file")

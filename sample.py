@@ -134,7 +134,7 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
 
 
 def main(argv=()):
-    C, _ = configure([globals()], argv)
+    C, _ = configure(globals(), argv)
     path = f"{C.out_dir}/ckpt.pt"
     model, ckpt = load_checkpoint(path, C.device)
     encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())[0])

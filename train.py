@@ -184,7 +184,7 @@ def estimate_loss(model, data_dir, meta, shape, C, device):
 
 def main(argv=()):
     """-> [(iter, loops, loss)] of every step, the skipped ones too."""
-    C, given = configure([globals()], argv)
+    C, given = configure(globals(), argv)
     check_settings(C)
     # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
     rank = int(os.environ.get("RANK", 0))
@@ -236,7 +236,7 @@ def main(argv=()):
     data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
     # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
     if ckpt:
-        model = model_from_checkpoint(ckpt_path, ckpt)
+        model = model_from_checkpoint(ckpt)
     else:
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{key: getattr(C, key) for key in MODEL_KEYS}))
     config = model.config

@@ -47,7 +47,7 @@ def tiny_data(tmp_path, monkeypatch):
 
 def cfg(argv):
     """train.py's settings as a dict after argv."""
-    return vars(configure([vars(train)], list(argv))[0])
+    return vars(configure(vars(train), list(argv))[0])
 
 
 def refusal(capsys, fn, *args):
@@ -108,7 +108,7 @@ def test_a_wide_spread_is_clamped_without_overflow():
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
-    C = configure([vars(train)], ["--max_iters=1000", "--learning_rate=1.0", "--min_lr=0.1"])[0]
+    C = configure(vars(train), ["--max_iters=1000", "--learning_rate=1.0", "--min_lr=0.1"])[0]
     assert train.get_lr(0, C) == pytest.approx(0.1)  # warmup is 1% = 10 iters
     assert train.get_lr(9, C) == pytest.approx(1.0)
     assert train.get_lr(1000, C) == pytest.approx(0.1)
