@@ -133,9 +133,11 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
     """stat({name: array (..., windows)}) -> float or None, and its 95% interval over paired resamples
     of the windows -> {"value": float | None, "interval": [low, high] | None}."""
     value = stat(per_window)
+    if value is None:
+        return {"value": None, "interval": None}
     n_windows = next(iter(per_window.values())).shape[-1]
-    if value is None or n_windows < 2:  # one window resamples to itself: a zero-width "interval"
-        return {"value": value if value is None else float(value), "interval": None}
+    if n_windows < 2:  # one window resamples to itself: a zero-width interval would read as certainty
+        return {"value": float(value), "interval": None}
     rng = np.random.default_rng(seed)
     values = []
     for _ in range(n_resamples):
