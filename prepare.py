@@ -77,21 +77,19 @@ def text_file(path, val_fraction):
 
 
 def hub(source, val_fraction, max_tokens):
-    """(train, val) streamed from the Hugging Face hub: the corpus never has to fit on disk."""
-    from datasets import load_dataset
-    try:
-        if source == "tinystories":  # it has its own validation split
-            train = load_dataset(HUB[source], split="train", streaming=True)
-            return train, load_dataset(HUB[source], split="validation", streaming=True)
-        sample = "sample-100BT" if max_tokens > 9 * 10 ** 9 else "sample-10BT"  # ~100B or ~10B GPT-2 tokens
-        corpus = load_dataset(HUB[source], name=sample, split="train", streaming=True)
-        still_wanted = val_fraction * (max_tokens or 10 ** 10)  # val: the first documents, that many GPT-2 tokens
-        for n_val, row in enumerate(corpus, 1):
-            still_wanted -= row["token_count"]
-            if still_wanted <= 0:
-                break
-    except OSError as err:  # datasets' ConnectionError: offline, or the hub is down
-        raise UserError(f"--source={source} streams from the Hugging Face hub: {err}") from None
+    """(train, val) streamed from the Hugging Face hub: the corpus never has to fit on disk. Offline,
+    datasets raises a ConnectionError (an OSError): configurator.run says it in one line."""
+    from datasets import load_dataset  # not installed: one line from configurator.run too
+    if source == "tinystories":  # it has its own validation split
+        train = load_dataset(HUB[source], split="train", streaming=True)
+        return train, load_dataset(HUB[source], split="validation", streaming=True)
+    sample = "sample-100BT" if max_tokens > 9 * 10 ** 9 else "sample-10BT"  # ~100B or ~10B GPT-2 tokens
+    corpus = load_dataset(HUB[source], name=sample, split="train", streaming=True)
+    still_wanted = val_fraction * (max_tokens or 10 ** 10)  # val: the first documents, that many GPT-2 tokens
+    for n_val, row in enumerate(corpus, 1):
+        still_wanted -= row["token_count"]
+        if still_wanted <= 0:
+            break
     return corpus.skip(n_val), corpus.take(n_val)
 
 
@@ -110,17 +108,10 @@ def get_tokenizer(spec, train):
     """The Tokenizer of spec: a BPE trained on train, smollm2 or gpt2 from the hub, or a tokenizer.json."""
     if spec.startswith("bpe:"):
         return train_bpe(int(spec[4:]), train)
-    try:
-        if spec in HUB_TOKENIZERS:
-            tok = Tokenizer.from_pretrained(HUB_TOKENIZERS[spec])
-        else:
-            tok = Tokenizer.from_file(spec)
-    except OSError as err:  # the hub unreachable, with no copy in its cache
-        raise UserError(f"--tokenizer={spec} needs network access (or a local tokenizer.json): {err}") from None
-    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot read: only that
-        if type(err) is not Exception:
-            raise
-        raise UserError(f"--tokenizer={spec}: not smollm2, gpt2, bpe:N or a tokenizer.json ({err})") from None
+    if spec in HUB_TOKENIZERS:  # offline with no copy in its cache: an OSError, one line from configurator.run
+        tok = Tokenizer.from_pretrained(HUB_TOKENIZERS[spec])
+    else:  # a file parse_settings found (one that does not parse raises tokenizers' own error)
+        tok = Tokenizer.from_file(spec)
     if tok.token_to_id(EOT) is None:
         raise UserError(f"--tokenizer={spec} has no {EOT} token to end documents")
     return tok
@@ -139,12 +130,7 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(f"{data_dir}/{file}"):
             raise UserError(f"{data_dir}/ has no {file}: run prepare.py for it")
-    try:
-        meta = json.loads(Path(data_dir, "meta.json").read_text())
-    except ValueError as err:  # not JSON, or not UTF-8: a hand edit
-        raise UserError(f"{data_dir}/meta.json does not parse ({err}): run prepare.py again") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"{data_dir}/meta.json is not a JSON object: run prepare.py again")
+    meta = json.loads(Path(data_dir, "meta.json").read_text())  # a hand-edited one may raise json's error
     tok = Path(data_dir, "tokenizer.json")  # another tokenizer.json would decode the ids wrong, silently
     sha = tok.is_file() and hashlib.sha256(tok.read_bytes()).hexdigest()
     if sha and meta.get("tokenizer_sha256", sha) != sha:
@@ -158,9 +144,9 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
 
 
 def bits_per_byte(loss, meta):
-    """A val loss in nats per token -> bits per byte of val's UTF-8 text (nan if meta has no val_bytes).
+    """A val loss in nats per token -> bits per byte of val's UTF-8 text (meta: prepare.py's counts).
     Per byte, losses compare across tokenizers: longer tokens each carry more of the text."""
-    nats_per_byte = loss * meta.get("val_tokens", np.nan) / (meta.get("val_bytes") or np.nan)
+    nats_per_byte = loss * meta["val_tokens"] / meta["val_bytes"]
     return nats_per_byte / np.log(2)
 
 
@@ -226,6 +212,8 @@ def parse_settings(argv):
     size = C.tokenizer.removeprefix("bpe:")
     if size != C.tokenizer and not (size.isdecimal() and 257 <= int(size) <= 2 ** 20):
         raise UserError(f"--tokenizer={C.tokenizer}: expected bpe:N, 257 <= N <= 2**20 (256 bytes and EOT)")
+    if size == C.tokenizer and C.tokenizer not in HUB_TOKENIZERS and not Path(C.tokenizer).is_file():
+        raise UserError(f"--tokenizer={C.tokenizer}: not smollm2, gpt2, bpe:N or a tokenizer.json file")
     return C
 
 
@@ -248,11 +236,8 @@ def main(argv):
         train, val = hub(C.source, C.val_fraction, C.max_tokens)
     else:
         train, val = text_file(C.source, C.val_fraction)
-    # 3) tokenized into tmp
-    try:  # before the tokenizer's work: data/ may be a file, or read-only
-        os.makedirs(tmp)
-    except OSError as err:
-        raise UserError(f"cannot write {tmp}: {err.strerror}") from None
+    # 3) tokenized into tmp (made before the tokenizer's work: data/ may be a file, or read-only)
+    os.makedirs(tmp)
     meta = write_dataset(tmp, C, train, val)
     # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
     if os.path.exists(out):

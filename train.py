@@ -69,16 +69,11 @@ seed = 1337  # seeds the depths, data order and noise
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
 RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
-         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step must fit 64 bits
+         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1),  # seed * 1_000_003 + step must fit 64 bits
+         "compile_backend": tuple(torch._dynamo.list_backends(exclude_tags=()))}
 RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
                        (1, math.inf))
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
-
-
-def check_settings(C):
-    """UserError for what the settings' rules cannot see: the compile backends torch has."""
-    if C.compile and C.compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise UserError(f"--compile_backend={C.compile_backend} is not in torch._dynamo.list_backends()")
 
 
 def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal", spread=0.5):
@@ -185,7 +180,6 @@ def estimate_loss(model, data_dir, meta, shape, C, device):
 def main(argv=()):
     """-> [(iter, loops, loss)] of every step, the skipped ones too."""
     C, given = configure(globals(), argv)
-    check_settings(C)
     # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -216,17 +210,12 @@ def main(argv=()):
         if asked != saved[key]:
             raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
     settings = vars(C) | saved  # what the run is, saved with each checkpoint
-    # 3) out_dir must take our files: found now, not at the first save
+    # 3) out_dir must take our files: found now (an OSError, one line), not at the first save
     metrics_path = f"{C.out_dir}/metrics.jsonl"
     if rank > 0:
         metrics_path = os.devnull
-    try:
-        os.makedirs(C.out_dir, exist_ok=True)
-        metrics = open(metrics_path, "a" if ckpt else "w", buffering=1)  # JSON lines: a resumed run appends
-    except OSError as err:
-        raise UserError(f"--out_dir={C.out_dir}: {err.strerror}") from None
-    if os.path.isdir(f"{ckpt_path}.tmp"):  # where save_atomic writes first
-        raise UserError(f"{ckpt_path}.tmp is a directory: move it away")
+    os.makedirs(C.out_dir, exist_ok=True)
+    metrics = open(metrics_path, "a" if ckpt else "w", buffering=1)  # JSON lines: a resumed run appends
     if settings["dataset"] == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
         if rank == 0:  # the default corpus prepares itself
             print("no data/shakespeare/ yet: running `python prepare.py` first")
@@ -249,16 +238,13 @@ def main(argv=()):
     run_id = os.urandom(8).hex()  # names the run in its checkpoints, and in what is computed from them
     if ckpt:  # the checkpoint's AdamW moments and this rank's RNG streams
         rng = ckpt["rng"]
-        try:
-            saved_ranks = len(rng["data"])
-            if saved_ranks != world:
-                raise UserError(f"{ckpt_path} was saved by {saved_ranks} ranks, not {world}")
-            # today's hyperparameters (weight decay, betas), as the saved config will say
-            optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
-            g_data.set_state(rng["data"][rank])
-            torch.set_rng_state(rng["torch"][rank])
-        except (KeyError, RuntimeError, ValueError) as err:
-            raise UserError(f"{ckpt_path}: its optimizer or RNG state does not load: {err}") from None
+        saved_ranks = len(rng["data"])
+        if saved_ranks != world:
+            raise UserError(f"{ckpt_path} was saved by {saved_ranks} ranks, not {world}")
+        # today's hyperparameters (weight decay, betas), as the saved config will say
+        optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
+        g_data.set_state(rng["data"][rank])
+        torch.set_rng_state(rng["torch"][rank])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"][rank])
         start = ckpt["iter_num"]

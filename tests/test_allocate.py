@@ -77,7 +77,7 @@ def write_byte_dataset(root):
     ids[:-n_val].tofile(d / "train.bin")
     ids[-n_val:].tofile(d / "val.bin")
     meta = {"source": "stdlib", "tokenizer": "bytes", "vocab_size": 256, "eot_id": 0, "dtype": "uint16",
-            "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+            "train_tokens": len(ids) - n_val, "val_tokens": n_val, "train_bytes": len(ids) - n_val, "val_bytes": n_val}
     (d / "meta.json").write_text(json.dumps(meta))
     byte_tokenizer().save(str(d / "tokenizer.json"))
 

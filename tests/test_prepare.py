@@ -219,8 +219,6 @@ def test_bits_per_byte():
     meta = {"val_tokens": 100, "val_bytes": 400}
     assert prepare.bits_per_byte(math.log(2), meta) == pytest.approx(0.25)  # 1 bit a token, 4 bytes a token
     assert prepare.bits_per_byte(2.0, meta) == pytest.approx(2.0 * 100 / 400 / math.log(2))
-    assert math.isnan(prepare.bits_per_byte(1.0, {"val_tokens": 100}))  # a dataset from before byte counts
-    assert math.isnan(prepare.bits_per_byte(1.0, {"val_tokens": 100, "val_bytes": 0}))
 
 
 def test_max_tokens_caps_both_splits(txt_corpus):
@@ -361,8 +359,14 @@ def test_the_hub_unreachable_is_one_line(workdir, source):
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(workdir / "hf")}  # an empty cache
     code, stderr = run_prepare([f"--source={source}"], workdir, offline)
     assert code == 2 and stderr.count("\n") == 1
-    assert stderr.startswith(f"error: --source={source} streams from the Hugging Face hub")
+    assert stderr.startswith("error: ") and "on the Hub" in stderr  # datasets' own words, from configurator.run
     assert not Path("data", source).exists()
+
+
+def test_hub_sources_without_datasets_installed_say_how_to_install_it(workdir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # what an uninstalled package raises: ModuleNotFoundError
+    stderr = exit_line(["--source=tinystories"], monkeypatch, capsys)
+    assert stderr == "error: import of datasets halted; None in sys.modules: pip install datasets\n"
 
 
 def test_hub_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys):
@@ -372,7 +376,7 @@ def test_hub_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     for spec in ("gpt2", "smollm2"):
         stderr = exit_line(["--source=corpus.txt", f"--tokenizer={spec}"], monkeypatch, capsys)
-        assert "needs network access" in stderr and "tokenizer.json" in stderr
+        assert "Hub" in stderr and "connection" in stderr  # huggingface_hub's own words
     assert not Path("data/corpus").exists()
 
 
@@ -426,14 +430,6 @@ def test_tokenizer_without_eot_is_refused(txt_corpus):
     assert EOT in message
 
 
-def test_a_tokenizer_json_that_does_not_parse_is_one_line(txt_corpus):
-    for text in ("{not json", '{"model": 1}', ""):
-        Path("bad.json").write_text(text)
-        message = refusal(prepare.main, ["--source=corpus.txt", "--tokenizer=bad.json"])
-        assert "bad.json" in message
-    assert not Path("data/corpus").exists()
-
-
 def test_a_file_that_is_not_utf8_is_named(workdir):
     Path("latin.txt").write_bytes("caf\xe9 cr\xe8me\n\nbr\xfbl\xe9e".encode("latin-1"))
     message = refusal(prepare.main, ["--source=latin.txt"])
@@ -468,17 +464,6 @@ def test_the_docstring_names_the_default_tokenizer(monkeypatch, capsys):
 def test_a_dataset_without_meta_is_refused(workdir):
     Path("data/empty").mkdir(parents=True)  # what sample.py and evaluate.py open before load_tokenizer
     assert "no meta.json" in refusal(prepare.open_dataset, "empty", splits=())
-
-
-def test_a_hand_edited_meta_json_is_one_line(txt_corpus):
-    prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300"])
-    for text, why in (("{\"vocab_size\": 300,", "does not parse"), ("[1, 2]", "not a JSON object"),
-                      ("\"a string\"", "not a JSON object"), ("", "does not parse")):
-        Path("data/corpus/meta.json").write_text(text)
-        message = refusal(prepare.open_dataset, "corpus")
-        assert "data/corpus/meta.json" in message and why in message
-    Path("data/corpus/meta.json").write_bytes(b"\xff\xfe not UTF-8")
-    assert "does not parse" in refusal(prepare.open_dataset, "corpus")
 
 
 def test_tokenizer_fingerprint_refuses_another_tokenizer(txt_corpus):
@@ -650,7 +635,7 @@ def test_unwritable_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys
     monkeypatch.setattr(prepare, "get_tokenizer", no_tokenizing)
     Path("data").write_text("a regular file: nothing can be made under it, even by root")
     stderr = exit_line(["--source=corpus.txt", "--tokenizer=bpe:300"], monkeypatch, capsys)
-    assert stderr.startswith("error: cannot write data/.corpus.tmp")
+    assert stderr == "error: [Errno 20] Not a directory: 'data/.corpus.tmp'\n"
 
 
 def test_read_only_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys):
@@ -667,7 +652,7 @@ def test_read_only_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys)
             monkeypatch.setattr(os, "makedirs", refuse)
         for name in ("corpus", "done"):
             stderr = exit_line(["--source=corpus.txt", "--tokenizer=bpe:300", f"--name={name}"], monkeypatch, capsys)
-            assert stderr == f"error: cannot write data/.{name}.tmp: Permission denied\n"
+            assert stderr == f"error: [Errno 13] Permission denied: 'data/.{name}.tmp'\n"
     finally:
         os.chmod("data", 0o755)
     assert Path("data/done/meta.json").read_text() == before

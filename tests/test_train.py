@@ -40,7 +40,7 @@ def tiny_data(tmp_path, monkeypatch):
         tokens = (np.arange(n) % 7 + rng.integers(0, 2, n) * 7).astype(np.uint16)
         tokens.tofile(f"data/tiny/{split}.bin")
     meta = dict(source="test", tokenizer="none", vocab_size=14, eot_id=0, dtype="uint16", train_tokens=20000,
-                val_tokens=2000)
+                val_tokens=2000, train_bytes=40000, val_bytes=4000)
     Path("data/tiny/meta.json").write_text(json.dumps(meta))
     return tmp_path
 
@@ -459,26 +459,13 @@ def test_resume_keeps_the_checkpoints_model_and_says_so(tiny_data, capsys):
     assert (ckpt["config"]["block_size"], ckpt["config"]["mean_loops"], ckpt["config"]["bptt_k"]) == (16, 2, 1)
 
 
-@pytest.mark.parametrize("case, message", [
-    ("model_args", "its weights do not fit its model_args"),  # model.model_from_checkpoint's check
-    ("state", "its optimizer or RNG state does not load: 'state'"),
-    ("rng", "its optimizer or RNG state does not load"),
-    ("ranks", "was saved by 3 ranks, not 1"),
-])
-def test_a_malformed_checkpoint_is_refused_on_resume_in_one_line(tiny_data, capsys, case, message):
+def test_resuming_with_another_number_of_ranks_is_one_line(tiny_data, capsys):
     train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
     ckpt = torch.load("o/ckpt.pt", weights_only=True)
-    if case == "model_args":
-        ckpt["model_args"]["ffn_hidden"] = 64  # the saved weights are 48 wide
-    if case == "state":
-        del ckpt["optimizer"]["state"]
-    if case == "rng":
-        ckpt["rng"]["torch"] = [torch.zeros(3, dtype=torch.uint8)]
-    if case == "ranks":
-        ckpt["rng"]["data"] *= 3
+    ckpt["rng"]["data"] *= 3  # as three ranks save it
     torch.save(ckpt, "o/ckpt.pt")
     resume = ["--out_dir=o", "--init_from=resume", "--max_iters=3", "--compile=False"]  # the model: the checkpoint's
-    assert message in refusal(capsys, train.main, resume)
+    assert "was saved by 3 ranks, not 1" in refusal(capsys, train.main, resume)
 
 
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
@@ -511,7 +498,7 @@ def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
     (["--n_core=-1"], "--n_core must be a finite number in [0, inf], got -1"),
     (["--learning_rate=inf"], "--learning_rate: cannot parse 'inf'"),
     (["--compile_backend=  "], "--compile_backend must not be empty"),
-    (["--compile=True", "--compile_backend=nonesuch"], "--compile_backend=nonesuch is not in"),
+    (["--compile=True", "--compile_backend=nonesuch"], "--compile_backend must be one of"),
     (["--out_dir", "--max_iters=1"], "--out_dir: expected str, got True"),  # a bare flag is no text
     (["--dataset"], "--dataset: expected str, got True"),
     (["--device=gpu"], "--device must be one of cpu"),
@@ -577,7 +564,7 @@ def test_the_largest_value_of_a_bounded_setting_runs(tiny_data, capsys, key):
 
 def test_bad_config_files_are_one_line(tiny_data, capsys):
     Path("exits.py").write_text("import sys\nsys.exit()\n")  # not a silent exit 0
-    assert "exits.py:2: SystemExit" in refusal(capsys, train.main, ["exits.py"])
+    assert "exits.py: SystemExit" in refusal(capsys, train.main, ["exits.py"])
     Path("latin1.py").write_bytes("max_iters = 3  # caf\u00e9\n".encode("latin-1"))
     assert "latin1.py" in refusal(capsys, train.main, ["latin1.py"])
     Path("nan.py").write_text("learning_rate = float('nan')\n")
@@ -587,9 +574,9 @@ def test_bad_config_files_are_one_line(tiny_data, capsys):
     Path("bool.py").write_text("max_iters = False\n")
     assert "--max_iters: expected int, got False" in refusal(capsys, train.main, ["bool.py"])
     Path("syntax.py").write_text("max_iters = 3\nlearning_rate = (1e-3\n")
-    assert "syntax.py:2: SyntaxError" in refusal(capsys, train.main, ["syntax.py"])
+    assert "syntax.py: SyntaxError" in refusal(capsys, train.main, ["syntax.py"])  # with its line, as Python says it
     Path("runtime.py").write_text("max_iters = 3\nbatch_size = 8 // 0\n")
-    assert "runtime.py:2: ZeroDivisionError" in refusal(capsys, train.main, ["runtime.py"])
+    assert "runtime.py: ZeroDivisionError" in refusal(capsys, train.main, ["runtime.py"])
 
 
 def test_cuda_without_a_gpu_is_one_line(tiny_data, capsys):
@@ -600,26 +587,13 @@ def test_cuda_without_a_gpu_is_one_line(tiny_data, capsys):
 
 def test_out_dir_that_is_a_file_or_under_one_is_one_line(tiny_data, capsys):
     Path("taken").write_text("not a directory")
-    assert "--out_dir=taken" in refusal(capsys, train.main, TINY + ["--out_dir=taken", "--max_iters=1"])
-    assert "--out_dir=taken/run" in refusal(capsys, train.main, TINY + ["--out_dir=taken/run"])
+    assert "'taken'" in refusal(capsys, train.main, TINY + ["--out_dir=taken", "--max_iters=1"])
+    assert "'taken/run'" in refusal(capsys, train.main, TINY + ["--out_dir=taken/run"])
     assert Path("taken").read_text() == "not a directory"
 
 
-def test_a_directory_where_the_checkpoint_is_written_first_is_one_line_before_training(tiny_data, capsys):
-    os.makedirs("o/ckpt.pt.tmp")
-    err = refusal(capsys, train.main, TINY + ["--out_dir=o", "--max_iters=1"])
-    assert "o/ckpt.pt.tmp is a directory" in err
-    assert "step 0" not in capsys.readouterr().out  # refused before any work
-    assert os.listdir("o/ckpt.pt.tmp") == []
-
-
-def test_bits_per_byte_only_from_a_known_byte_count(tiny_data, capsys):
-    args = TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--overwrite_checkpoint=True"]
-    train.main(args)  # this meta.json has no val_bytes: no made-up figure
-    assert "val nan bits/byte" in capsys.readouterr().out
-    meta = json.loads(Path("data/tiny/meta.json").read_text()) | {"val_bytes": 4000}
-    Path("data/tiny/meta.json").write_text(json.dumps(meta))
-    train.main(args)
+def test_bits_per_byte_from_the_datasets_byte_count(tiny_data, capsys):
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o"])
     loss, bits = re.search(r"step 1: .* val loss ([\d.]+), val ([\d.]+) bits/byte", capsys.readouterr().out).groups()
     assert float(bits) == pytest.approx(float(loss) * 2000 / 4000 / math.log(2), abs=1e-4)
 
@@ -711,7 +685,7 @@ def test_the_default_dataset_prepares_itself(tmp_path, monkeypatch, capsys):
         np.tile(np.arange(14, dtype=np.uint16), 200).tofile("data/shakespeare/train.bin")
         np.tile(np.arange(14, dtype=np.uint16), 20).tofile("data/shakespeare/val.bin")
         meta = dict(source="shakespeare", tokenizer="none", vocab_size=14, eot_id=0, dtype="uint16",
-                    train_tokens=2800, val_tokens=280)
+                    train_tokens=2800, val_tokens=280, train_bytes=2800, val_bytes=280)
         Path("data/shakespeare/meta.json").write_text(json.dumps(meta))
     monkeypatch.setattr(train.prepare, "main", fake_prepare)
     flags = [f for f in TINY if not f.startswith("--dataset")]
