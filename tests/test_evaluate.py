@@ -211,6 +211,17 @@ def test_paired_bootstrap_without_a_value_or_mostly_undefined_has_no_interval():
         return 1.0 if (pw["loss"] == 0).any() else None
     estimate = evaluate.paired_bootstrap(defined_if_window_0_drawn, per_window, 200, 0)
     assert estimate == {"value": 1.0, "interval": None}
+    # one window resamples to itself: no interval (a zero-width one would read as certainty)
+    one_window = {"loss": np.array([[3.0], [2.5]])}
+    estimate = evaluate.paired_bootstrap(lambda pw: pw["loss"][1, 0] - pw["loss"][0, 0], one_window, 100, 0)
+    assert estimate == {"value": -0.5, "interval": None}
+    assert evaluate.show(estimate) == "-0.5000"
+
+
+def test_one_window_prints_no_interval(indir, capsys):
+    evaluate.main(FAST + ["--windows=1"])
+    saturation_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("saturation depth"))
+    assert "[" not in saturation_line
 
 
 # ---- trace against a loop written out here -----------------------------------------------------------
@@ -380,18 +391,10 @@ def test_dataset_prepared_again_with_another_tokenizer_is_refused(indir, tmp_pat
     assert trained_with in err and now in err
 
 
-@pytest.mark.parametrize("case, message", [("cuda", "--device must be one of cpu"), ("empty", "(0 bytes) is not a readable checkpoint")])
-def test_bad_device_or_checkpoint_is_one_line(indir, tmp_path, capsys, case, message):
-    if case == "cuda" and torch.cuda.is_available():
+def test_a_device_this_machine_lacks_is_one_line(indir, capsys):
+    if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = tmp_path / "out"
-    out.mkdir()
-    if case == "empty":
-        (out / "ckpt.pt").write_bytes(b"")
-    else:
-        os.link(indir / "out-tiny" / "ckpt.pt", out / "ckpt.pt")
-    device = ["--device=cuda"] if case == "cuda" else []
-    assert message in one_line_error(capsys, FAST + [f"--out_dir={out}"] + device)
+    assert "--device must be one of cpu" in one_line_error(capsys, FAST + ["--device=cuda"])
 
 
 def test_unwritable_out_dir_fails_before_the_work(indir, tmp_path, monkeypatch, capsys):
@@ -399,12 +402,8 @@ def test_unwritable_out_dir_fails_before_the_work(indir, tmp_path, monkeypatch, 
     out.mkdir()
     os.link(indir / "out-tiny" / "ckpt.pt", out / "ckpt.pt")
     monkeypatch.setattr(evaluate, "trace_windows", lambda *a: pytest.fail("computed before the check"))
-    for blocker in ("eval.json", "eval.json.tmp"):  # the result could never be written or renamed into place
-        (out / blocker).mkdir()
-        assert "cannot write" in one_line_error(capsys, FAST + [f"--out_dir={out}"])
-        (out / blocker).rmdir()
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only directory, even for root
-    assert "cannot write" in one_line_error(capsys, FAST + [f"--out_dir={out}"])
+    assert "is not writable" in one_line_error(capsys, FAST + [f"--out_dir={out}"])
 
 
 def test_ctrl_c_is_one_line(indir, monkeypatch, capsys):
