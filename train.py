@@ -71,8 +71,9 @@ RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed")
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
          "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1),  # seed * 1_000_003 + step must fit 64 bits
          "compile_backend": tuple(torch._dynamo.list_backends(exclude_tags=()))}
-RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size"],
-                       (1, math.inf))
+RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                        "block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "n_core", "mean_loops", "max_loops",
+                        "bptt_k", "rope_theta"], (1, math.inf))  # n_prelude, n_coda and state_std may be 0
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
 
 

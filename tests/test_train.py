@@ -480,7 +480,7 @@ def test_resuming_with_another_number_of_ranks_is_one_line(tiny_data, capsys):
     (["--n_embd=30", "--n_head=4"], "n_head=4 must divide n_embd=30"),
     (["--n_head=4", "--n_kv_head=3"], "n_kv_head=3 must divide n_head"),
     (["--n_embd=24", "--n_head=8"], "head size n_embd / n_head = 3 must be even"),
-    (["--n_core=0"], "n_core=0: must be a positive int"),
+    (["--n_core=0"], "--n_core must be a finite number in [1, inf], got 0"),
     (["--block_size=30000"], "fewer than block_size + 2"),
 ])
 def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
@@ -495,7 +495,7 @@ def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
     (["--batch_size=True"], "--batch_size: expected int, got True"),
     (["--max_iters=True"], "--max_iters: expected int, got True"),
     (["--out_dir="], "--out_dir must not be empty"),
-    (["--n_core=-1"], "--n_core must be a finite number in [0, inf], got -1"),
+    (["--n_core=-1"], "--n_core must be a finite number in [1, inf], got -1"),
     (["--learning_rate=inf"], "--learning_rate: cannot parse 'inf'"),
     (["--compile_backend=  "], "--compile_backend must not be empty"),
     (["--compile=True", "--compile_backend=nonesuch"], "--compile_backend must be one of"),
