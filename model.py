@@ -82,40 +82,39 @@ class KVCache:
         shape = (n_layers, batch, config.n_kv_head, config.block_size, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-
-    # The cache is written at the call's own positions and read back whole up to them, so there is
-    # no per-token position tensor: all sequences of a batch share each step's position (lockstep).
-    def at(self, rows, pos):
-        """This cache for one call: its query rows are the sequences `rows` (B',), its tokens start at
-        position pos. pos 0 is a prefill (causal among its tokens); a later pos is one new token."""
-        return CacheView(self, rows, pos)
+        torch._dynamo.mark_static_address(self.k, guard=False)  # fixed: a CUDA graph writes them in place
+        torch._dynamo.mark_static_address(self.v, guard=False)
 
 
 class CacheView(NamedTuple):
-    """Where one call's tokens sit in a KVCache (see KVCache.at)."""
+    """Where one call's tokens sit in a KVCache: a prefill's T tokens at positions 0..T-1 (pos None), or
+    one new token per row at pos, a (1,) long tensor, written in the rows `active` (B,) bool (None: all)."""
     cache: KVCache
-    rows: torch.Tensor
-    pos: int
+    pos: torch.Tensor | None = None
+    active: torch.Tensor | None = None
 
     def write(self, layer, k, v):
-        """Store k, v (B', n_kv_head, T, head_dim) at the rows' slots, positions pos..pos+T-1."""
-        T = k.size(2)
+        """Store k, v (B, n_kv_head, T, head_dim) at positions 0..T-1, or (T = 1) at pos in the active rows."""
         # k and v come in the dtype the cache was made in (GPT.new_cache: attention's, bf16 under autocast)
-        self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k
-        self.cache.v[layer][self.rows, :, self.pos:self.pos + T] = v
+        keys, values = self.cache.k[layer], self.cache.v[layer]
+        positions = torch.arange(k.size(2), device=k.device) if self.pos is None else self.pos
+        if self.active is not None:  # a row that has stopped keeps the K/V of the last loop it ran
+            ran = self.active.view(-1, 1, 1, 1)
+            k = torch.where(ran, k, keys.index_select(2, positions))
+            v = torch.where(ran, v, values.index_select(2, positions))
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
 
-    def read(self, layer):
-        """The rows' keys and values at positions 0..pos: (B', n_kv_head, pos + 1, head_dim) each."""
-        k = self.cache.k[layer][:, :, :self.pos + 1]
-        v = self.cache.v[layer][:, :, :self.pos + 1]
-        if len(self.rows) < k.size(0):  # some of the sequences (index_select: 5-10x faster than k[rows] on a CPU)
-            k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
-        return k, v
+
+def autocast_input(x):
+    """x in autocast's dtype (x itself without autocast): cast once, not in each matmul it feeds."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
 
 
 def apply_rope(x, cos, sin):
-    # the tables in x's dtype: float32 tables silently promoted bf16 q and k (a bug the paper reports)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    # the tables come in x's dtype (GPT.rope): float32 tables silently promoted bf16 q and k (a bug the paper reports)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -134,6 +133,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
+        x = autocast_input(x)
         # q (B, n_head, T, head_dim); k and v have n_kv_head heads, each shared by n_head / n_kv_head queries
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -141,11 +141,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(layer, k, v)
-        if cache is None or cache.pos == 0:  # a window from position 0: training, a prefill
+        if cache is None or cache.pos is None:  # a window from position 0: training, a prefill (a fused kernel)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # one new token: it sees every key up to its own, so no mask (a fused kernel on CUDA)
-            k, v = cache.read(layer)
-            y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:  # one new token per row: the whole cache, masked after its position (the same shapes every step)
+            k, v = cache.cache.k[layer], cache.cache.v[layer]
+            visible = torch.arange(k.size(2), device=k.device) <= cache.pos[:, None]  # (1, block_size)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -159,6 +160,7 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
+        x = autocast_input(x)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
@@ -236,9 +238,9 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=out_std if is_output else std)
 
     def rope(self, T, cache=None):
-        """The rotary tables of T tokens from position 0, or from the cache view's position."""
-        start = 0 if cache is None else cache.pos
-        return self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        """The rotary tables (T, head_dim / 2) from position 0 or at a decoded token's, cast once to q's dtype."""
+        positions = slice(T) if cache is None or cache.pos is None else cache.pos
+        return autocast_input(self.rope_cos[positions]), autocast_input(self.rope_sin[positions])
 
     # ---- the per-loop API: every loop in the project is built from these four
     def prelude(self, idx, cache=None):
@@ -265,11 +267,8 @@ class GPT(nn.Module):
 
     def new_cache(self, n_layers, batch):
         """An empty KVCache for n_layers blocks, in the dtype attention computes in."""
-        device = self.wte.weight.device
-        dtype = self.wte.weight.dtype
-        if torch.is_autocast_enabled(device.type):
-            dtype = torch.get_autocast_dtype(device.type)
-        return KVCache(self.config, n_layers, batch, device, dtype)
+        weight = autocast_input(self.wte.weight[:1])  # the weights' dtype, or autocast's
+        return KVCache(self.config, n_layers, batch, weight.device, weight.dtype)
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
         """idx (B, T) -> (logits (B, T, vocab), None), or with targets (None, mean loss). Truncated

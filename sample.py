@@ -3,9 +3,9 @@
     python sample.py --loops 4                          # every token runs 4 loops
     python sample.py --exit kl --start="$(cat prompt.txt)"  # each new token stops when its output settles
 
-The sequences of a batch advance in lockstep, a token each per step; within a step, each loop's
-core call carries only the tokens still looping. Past block_size the context keeps its last
-half, prefilled again at --loops.
+The sequences of a batch advance in lockstep, a token each per step; within a step every loop
+computes every row, and a row that has stopped keeps what it had (masked, not gathered: a step never
+waits for the host). Past block_size the context keeps its last half, prefilled again at --loops.
 With one sample the text is printed as it is chosen; with several, each whole at the end.
 """
 import sys
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError, configure, run
-from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, uniform_depth
+from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, load_checkpoint, uniform_depth
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
@@ -33,6 +33,7 @@ r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_lo
 state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
+compile = torch.cuda.is_available()  # torch.compile the decode loop (on CUDA a CUDA graph: one launch a loop)
 RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit=("none", "kl", "state"),
              state_init=("zero", "noise"), dtype=("float32", "bfloat16"), device=DEVICES)
 
@@ -59,43 +60,52 @@ def sample_next(logits, temperature, top_k, generators):
     return torch.cat(draws)
 
 
-def feed(model, caches, tokens, s, pos, depth):
-    """Tokens (B, T) of every sequence, initial states s (B, T, d), from position pos, through the
-    prelude, their loops and the readout, their K/V stored in the caches: a prefill (pos 0, uniform
-    depth), or one new token each (T = 1), looped to its depth: after each loop from MIN_EXIT_LOOP a
-    token whose exit score is below the threshold stops, and its cache slot keeps the K/V of that
-    loop; the others go on, at most to r_max. -> the last token's logits (B, V), its loops (B,)."""
-    B = len(tokens)
-    every_row = torch.arange(B, device=tokens.device)
-    e = model.prelude(tokens, caches["prelude"].at(every_row, pos))
-    s = s.clone()  # updated row by row below
-    test = depth.test
-    needs_logits = test is not None and test.needs_logits
-    if needs_logits:  # each token's readout after its latest loop, for the next test
-        logits = torch.zeros(B, 1, model.config.vocab_size, device=tokens.device)
-    looping = torch.ones(B, dtype=torch.bool, device=tokens.device)
-    loops = torch.zeros(B, dtype=torch.long, device=tokens.device)
-    # The sequences stop at different loops: each core call carries only the rows still looping,
-    # and a stopped row's cache slot is left as its last loop wrote it.
-    for loop in range(1, depth.r_max + 1):
-        rows = looping.nonzero()[:, 0]
-        if len(rows) == 0:
-            break
-        s_new = model.core_step(e[rows], s[rows], caches["core"].at(rows, pos))
-        loops[rows] += 1
-        logits_new = None
-        if needs_logits:
-            logits_new = model.readout(s_new, caches["coda"].at(rows, pos))
-        if test is not None and loop >= MIN_EXIT_LOOP:
-            logits_old = logits[rows] if needs_logits else None
-            score = test.score(s_new, s[rows], logits_new, logits_old)[:, 0]
-            looping[rows] = score >= depth.threshold
-        s[rows] = s_new
-        if needs_logits:
-            logits[rows] = logits_new.float()
-    if not needs_logits:  # one readout of every token's final state
-        logits = model.readout(s, caches["coda"].at(every_row, pos))
-    return logits[:, -1], loops
+def prefill(model, caches, tokens, s, loops):
+    """Tokens (B, T) at positions 0.. from s_0 (B, T, d), `loops` loops, K/V into the caches -> last logits (B, V)."""
+    e = model.prelude(tokens, CacheView(caches["prelude"]))
+    for _ in range(loops):
+        s = model.core_step(e, s, CacheView(caches["core"]))
+    return model.readout(s, CacheView(caches["coda"]))[:, -1]
+
+
+def decode_loop(model, caches, e, s, logits, looping, loops, pos, depth):
+    """One more loop of a new token per row, e (B, 1, d) at pos ((1,) long): from MIN_EXIT_LOOP a row stops once its
+    exit score is below the threshold (at r_max at the latest). Every row runs; a stopped one keeps its s, logits
+    (float32: the KL exit), loops and cache slots, in place, with no host sync. -> "no row is looping" (0-dim bool)"""
+    active = looping.clone()  # the rows this loop runs: their cache slots take its K/V
+    s_new = model.core_step(e, s, CacheView(caches["core"], pos, active))
+    loops.add_(active)
+    logits_new = None
+    if depth.test is not None and depth.test.needs_logits:
+        logits_new = model.readout(s_new, CacheView(caches["coda"], pos, active)).float()
+    go_on = loops < depth.r_max
+    if depth.test is not None:  # from MIN_EXIT_LOOP a row goes on while its score is at least the threshold
+        score = depth.test.score(s_new, s, logits_new, logits)[:, 0]
+        go_on &= (loops < MIN_EXIT_LOOP) | (score >= depth.threshold)
+    s.copy_(torch.where(active[:, None, None], s_new, s))
+    if logits_new is not None:
+        logits.copy_(torch.where(active[:, None, None], logits_new, logits))
+    looping.copy_(active & go_on)
+    return ~looping.any()
+
+
+DECODE_LOOP = decode_loop  # what generate calls: main puts it here compiled (--compile)
+# A GPU runs behind the host: reading loop i-1's flag once loop i is queued, the host never keeps it waiting
+# (at most one extra loop runs, every row masked: it changes nothing). A CPU runs ops as they come: no lag.
+LOOPS_AHEAD = {"cpu": 0, "cuda": 1}
+
+
+class HostFlag:
+    """A device bool copied to the host without waiting; read() waits only for the work queued before it."""
+
+    def __init__(self, flag):
+        self.value = flag.to("cpu", non_blocking=True, copy=True)  # into pinned memory from a GPU
+        self.copied = torch.cuda.current_stream().record_event() if flag.is_cuda else None  # a CPU: at once
+
+    def read(self):
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.value.item()
 
 
 @torch.no_grad()
@@ -103,17 +113,23 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
     """Yields, step by step, the next token of every sequence after prompts idx (B, T0) and the
     loops run by the token it was read from: (B,), (B,). s0 (B, T0 + max_new_tokens, d) holds the
     initial state of every position; pick(logits (B, V)) -> (B,) chooses. The prompt runs
-    prompt_loops loops a token; each new token runs `depth` (a DepthPolicy)."""
+    prompt_loops loops a token; each new token runs `depth` (a DepthPolicy, see decode_loop)."""
     B, T0 = idx.shape
     c = model.config
     block = c.block_size
     caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
               "coda": model.new_cache(c.n_coda, B)}
+    # a new token's loops, in place at fixed addresses (a CUDA graph writes them): see decode_loop
+    buffers = (s0.new_zeros(B, 1, c.n_embd), s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32),
+               idx.new_zeros(B, dtype=torch.bool), idx.new_zeros(B))
+    for buffer in buffers:
+        torch._dynamo.mark_static_address(buffer, guard=False)
+    s, carried, looping, loops_ran = buffers
     tokens = idx  # the prompts and every token chosen so far
     # 1) prefill: the prompt's last block_size tokens, at positions 0..
     first = max(0, T0 - block)
-    prompt_depth = uniform_depth(prompt_loops)
-    logits, loops = feed(model, caches, tokens[:, first:], s0[:, first:T0], 0, prompt_depth)
+    logits = prefill(model, caches, tokens[:, first:], s0[:, first:T0], prompt_loops)
+    loops = torch.full((B,), prompt_loops, device=idx.device)
     n_cached = T0 - first
     for step in range(max_new_tokens):
         # 2) every sequence picks its next token from its last readout
@@ -126,11 +142,34 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
         if n_cached == block:
             # 3) the context is full: keep the last half before the new token, prefilled again
             first = t - block // 2
-            feed(model, caches, tokens[:, first:t], s0[:, first:t], 0, prompt_depth)
+            prefill(model, caches, tokens[:, first:t], s0[:, first:t], prompt_loops)
             n_cached = block // 2
-        # 4) feed the new token at the next position, at its own depth
-        logits, loops = feed(model, caches, tokens[:, t:], s0[:, t:t + 1], n_cached, depth)
+        # 4) the new token at the next position (a tensor: every step has the same shapes), looped
+        pos = torch.full((1,), n_cached, device=idx.device)
+        e = model.prelude(next_token[:, None], CacheView(caches["prelude"], pos))
+        s.copy_(s0[:, t:t + 1])
+        looping.fill_(True)
+        loops_ran.zero_()
+        ahead = LOOPS_AHEAD[idx.device.type]
+        flags = []  # "no row is looping" after each loop from MIN_EXIT_LOOP, read `ahead` loops later
+        for loop in range(1, depth.r_max + 1):
+            no_row_looping = DECODE_LOOP(model, caches, e, *buffers, pos, depth)
+            if depth.test is not None and loop >= MIN_EXIT_LOOP:
+                flags.append(HostFlag(no_row_looping))
+            if len(flags) > ahead and flags[-1 - ahead].read():
+                break
+        logits = carried[:, -1].clone()
+        if depth.test is None or not depth.test.needs_logits:  # one readout of every token's final state
+            logits = model.readout(s, CacheView(caches["coda"], pos))[:, -1]
+        loops = loops_ran.clone()
         n_cached += 1
+
+
+def clock(device):
+    """time.perf_counter() once the device has done the work queued (a GPU runs behind the host)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def main(argv=()):
@@ -158,34 +197,41 @@ def main(argv=()):
 
     def pick(logits):
         return sample_next(logits, C.temperature, C.top_k, generators)
-    new_ids = [[] for _ in range(n)]
-    loops_run = []  # the loops of the token each new token was read from
+    global DECODE_LOOP  # compiled: one graph a loop, on CUDA a CUDA graph (inductor alone on the CPU)
+    DECODE_LOOP = torch.compile(decode_loop, mode="reduce-overhead", fullgraph=True) if C.compile else decode_loop
+    new_tokens, loops_run = [], []  # on the device, read once at the end: no wait a step
     unprinted = []  # one sample is printed as it comes; a character may span tokens
     if n == 1:
         print(decode(ids), end="")
-    started = time.perf_counter()
+    started = clock(C.device)
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
         for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth):
-            loops_run += loops.tolist()
-            for row, token in zip(new_ids, next_token.tolist()):
-                row.append(token)
-            if n == 1:
-                unprinted.append(new_ids[0][-1])
+            new_tokens.append(next_token)
+            loops_run.append(loops)
+            if n == 1:  # the one wait on the device a step
+                unprinted.append(next_token.item())
                 text = decode(unprinted)
                 if not text.endswith("\ufffd"):  # else: wait for the rest of the character
                     print(text, end="", flush=True)
                     unprinted = []
-    seconds = time.perf_counter() - started
+            if len(new_tokens) == 2:  # the first decode step (and its compilation) is the warm-up: time the others
+                started = clock(C.device)
+    seconds = clock(C.device) - started
+    new_ids = torch.stack(new_tokens, 1).tolist()
+    loops_run = torch.stack(loops_run, 1)  # (n, max_new_tokens)
     if n == 1:
         print(decode(unprinted))
     else:  # several samples: each whole
         for row in new_ids:
             print(decode(ids + row), end="\n---------------\n")
-    mean_loops = sum(loops_run) / len(loops_run)
+    mean_loops = loops_run.float().mean().item()
+    deepest = loops_run.amax(0).float().mean().item()  # a lockstep step waits for its deepest token
+    timed = n * max(0, C.max_new_tokens - 2)  # the prefill's token and the warm-up step's are not timed
     flops = model.inference_flops(mean_loops, model.config.block_size, depth.test)
-    print(f"{len(loops_run) / seconds:.1f} tokens/s, {mean_loops:.2f} loops and {flops / 1e6:.3g} MFLOP per "
-          f"token (attention over a full block), {C.dtype}", file=sys.stderr)
+    print(f"{timed / seconds:.1f} tokens/s ({timed} timed), {mean_loops:.2f} loops (a step's deepest {deepest:.2f}), "
+          f"{flops / 1e6:.3g} MFLOP per token (attention over a full block), {C.dtype}", file=sys.stderr)
+    loops_run = loops_run.flatten().tolist()
     histogram = [f"{k}:{loops_run.count(k)}" for k in sorted(set(loops_run))]
     print("loops per new token (loops:tokens):", *histogram, file=sys.stderr)
     return new_ids

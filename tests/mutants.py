@@ -31,13 +31,16 @@ MUTANTS = {
         "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
         'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
     "generation: the KL exit's carried logits never updated (tests against loop 1's)": (
-        "sample.py", "            logits[rows] = logits_new.float()", "            pass", "tests/test_sample.py -k adaptive"),
+        "sample.py", "        logits.copy_(torch.where(active[:, None, None], logits_new, logits))", "        pass",
+        "tests/test_sample.py -k adaptive"),
     "generation: the new token's rotary position off by one": (
-        "model.py", "start = 0 if cache is None else cache.pos",
-        "start = 0 if cache is None else max(0, cache.pos - 1)", "tests/test_sample.py -k reference"),
+        "model.py", "positions = slice(T) if cache is None or cache.pos is None else cache.pos\n",
+        "positions = slice(T) if cache is None or cache.pos is None else cache.pos - 1\n",
+        "tests/test_sample.py -k reference"),
     "cache: a new token's K/V written one position late": (
-        "model.py", "self.cache.k[layer][self.rows, :, self.pos:self.pos + T] = k\n",
-        "self.cache.k[layer][self.rows, :, self.pos + 1:self.pos + 1 + T] = k\n", "tests/test_sample.py tests/test_model.py"),
+        "model.py", "positions = torch.arange(k.size(2), device=k.device) if self.pos is None else self.pos\n",
+        "positions = torch.arange(k.size(2), device=k.device) if self.pos is None else self.pos + 1\n",
+        "tests/test_sample.py tests/test_model.py"),
     "memory: the no-grad loops run with gradients, detached after": (
         "model.py", "        with torch.no_grad():\n            for _ in range(loops - n_grad):\n                s = self.core_step(e, s)",
         "        for _ in range(loops - n_grad):\n            s = self.core_step(e, s)\n        s = s.detach()",

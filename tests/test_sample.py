@@ -12,6 +12,9 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import configurator
 import model as model_lib
@@ -129,13 +132,12 @@ def generate_all(model, idx, n_new, s0, pick, prompt_depth, new_depth=None):
 def counting_prefills(monkeypatch):
     """-> the number of tokens of every prefill (the prompt's, then each refill's), as they come."""
     calls = []
-    feed = sample.feed
+    prefill = sample.prefill
 
-    def counted(model, caches, tokens, s, pos, depth):
-        if pos == 0:
-            calls.append(tokens.size(1))
-        return feed(model, caches, tokens, s, pos, depth)
-    monkeypatch.setattr(sample, "feed", counted)
+    def counted(model, caches, tokens, s, loops):
+        calls.append(tokens.size(1))
+        return prefill(model, caches, tokens, s, loops)
+    monkeypatch.setattr(sample, "prefill", counted)
     return calls
 
 
@@ -355,7 +357,7 @@ def test_the_cache_holds_each_tokens_last_loop(tiny):
     Each position is written once per loop its token ran, and its slot ends with its last loop's K/V."""
     model, idx = tiny
     schedule = [3, 2, 5, 2, 2, 4]  # loops of each fed new token, deeper and shallower than the prompt's 2
-    stops = iter([loop == n for n in schedule for loop in range(MIN_EXIT_LOOP, n + 1)])
+    stops = iter([loop == n for n in schedule for loop in range(1, n + 1)])  # tested at every loop, heeded from 2
 
     def scripted(s_new, s_old, logits_new, logits_old):  # 0 (stop) or 1 (go on), one per token
         return torch.tensor([[0.0 if next(stops) else 1.0]])
@@ -366,7 +368,7 @@ def test_the_cache_holds_each_tokens_last_loop(tiny):
 
     def recording_write(view, layer, k, v):
         if view.cache is core_caches[0]:
-            positions = list(range(view.pos, view.pos + k.size(2)))
+            positions = list(range(k.size(2))) if view.pos is None else view.pos.tolist()
             writes.append((layer, positions, k[0].clone()))
         real_write(view, layer, k, v)
 
@@ -392,6 +394,142 @@ def test_the_cache_holds_each_tokens_last_loop(tiny):
         assert {p: len(ks) for p, ks in per_position.items()} == dict(enumerate(loops_of))
         for p, ks in per_position.items():
             assert torch.equal(core.k[layer][0, :, p], ks[-1])
+
+
+# ---- a decode step without host waits -------------------------------------------------------------
+aten = torch.ops.aten
+HOST_READS = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default)
+
+
+class CountingSyncs(TorchDispatchMode):
+    """Counts the ops that make the host wait for a GPU: a value read on the host (item, a nonzero's
+    size, a tensor's truth) or a copy to another device. On the CPU nothing waits, but the same ops run."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        devices = {t.device for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
+        is_copy = func in (aten._to_copy.default, aten.copy_.default)
+        self.count += func in HOST_READS or (is_copy and len(devices) > 1)
+        return out
+
+
+def test_the_sync_counter_sees_what_the_old_engine_did():
+    """looping.nonzero() and .item() each loop: the counter must see both."""
+    looping = torch.tensor([True, False, True])
+    with CountingSyncs() as syncs:
+        rows = looping.nonzero()[:, 0]
+        looping[rows].any().item()
+    assert syncs.count == 2
+
+
+@pytest.mark.parametrize("exit", ["none", "kl", "state"])
+def test_a_decode_step_reads_nothing_on_the_host_but_its_exit_flags(tiny, exit):
+    """Uniform depth: no host read in generate at all. With an exit: one read of "no row is looping"
+    after each loop from MIN_EXIT_LOOP, until one finds every row stopped (the deepest token's loops - 1)."""
+    model = small_block(tiny[0])
+    idx = prompts(3)
+    policy = uniform_depth(3)
+    if exit != "none":
+        policy = DepthPolicy(EXIT_TESTS[exit], typical_threshold(model, EXIT_TESTS[exit]), MAX_LOOPS + 2)
+    s0 = sample.initial_states(model, 3, idx.size(1) + 30, "noise", 5, "cpu").double()
+    with CountingSyncs() as syncs:
+        _, depths = generate_all(model, idx, 30, s0, sampler(5, 3), uniform_depth(2), policy)
+    deepest = depths[:, 1:].amax(0)  # (steps,): each decode step's deepest token
+    expected = 0 if exit == "none" else (deepest - 1).sum().item()
+    assert syncs.count == expected and (exit == "none" or len(set(deepest.tolist())) > 1)
+
+
+@pytest.mark.parametrize("exit", ["none", "kl"])
+def test_main_waits_once_per_token_for_one_sample_and_never_for_several(tiny, capsys, exit):
+    """The one wait a step is the streamed token's; several samples are read once, at the end."""
+    for n_samples, per_token in ((1, 1), (3, 0)):
+        counts = []
+        for n_new in (10, 30):
+            with CountingSyncs() as syncs:
+                run_main(capsys, f"--num_samples={n_samples}", f"--max_new_tokens={n_new}", f"--exit={exit}",
+                         "--exit_threshold=0", "--r_max=2")  # the exit runs 2 loops: one flag read a token
+            counts.append(syncs.count)
+        exit_reads = 0 if exit == "none" else 1
+        assert (counts[1] - counts[0]) == 20 * (per_token + exit_reads)
+
+
+def test_a_gpu_reads_each_flag_one_loop_late_and_the_extra_loop_changes_nothing(tiny, monkeypatch):
+    """LOOPS_AHEAD as on CUDA, run on the CPU: every step runs one loop past its deepest token (fully
+    masked), except at r_max, and every token and depth is what reading at once gives."""
+    model = small_block(tiny[0])
+    idx = prompts(3)
+    test = EXIT_TESTS["kl"]
+    policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS)
+    s0 = sample.initial_states(model, 3, idx.size(1) + 30, "noise", 2, "cpu").double()
+    at_once = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy)
+    monkeypatch.setitem(sample.LOOPS_AHEAD, "cpu", 1)
+    calls = []
+    real_loop = sample.decode_loop
+    monkeypatch.setattr(sample, "DECODE_LOOP", lambda *args: calls.append(1) or real_loop(*args))
+    late = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy)
+    assert torch.equal(late[0], at_once[0]) and torch.equal(late[1], at_once[1])
+    deepest = at_once[1][:, 1:].amax(0)
+    assert len(calls) == (deepest + (deepest < MAX_LOOPS)).sum() and (deepest < MAX_LOOPS).any()
+
+
+def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompiles(tiny, monkeypatch):
+    """decode_loop under torch.compile(fullgraph=True) (inductor on the CPU), 100 new tokens with a KL
+    exit, batch 2, past block_size: one graph, never recompiled, the same tokens and loops as eager."""
+    model = small_block(tiny[0])
+    idx = prompts(2)
+    test = EXIT_TESTS["kl"]
+    policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS)
+    s0 = torch.zeros(2, idx.size(1) + 100, model.config.n_embd, dtype=torch.float64)
+    eager = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, fullgraph=True))
+    compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+    assert len(set(eager[1].flatten().tolist())) > 2  # the exit really stopped tokens at varied loops
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_on_cuda_a_decode_step_at_uniform_depth_never_syncs(tiny):
+    model = tiny[0].cuda()
+    idx = tiny[1].cuda()
+    s0 = sample.initial_states(model, 1, idx.size(1) + 20, "zero", 0, "cuda")
+    torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
+    try:
+        steps = list(sample.generate(model, idx, 20, s0, GREEDY, 2, uniform_depth(3)))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(steps) == 20
+
+
+@needs_cuda
+@pytest.mark.parametrize("exit", ["none", "kl"])
+def test_on_cuda_the_compiled_decode_loop_equals_eager(tiny, monkeypatch, exit):
+    """CUDA graphs (mode reduce-overhead) in float64, so that no rounding can flip a token or an exit."""
+    model = small_block(tiny[0]).cuda()
+    idx = prompts(2).cuda()
+    policy = uniform_depth(3)
+    if exit == "kl":
+        policy = DepthPolicy(EXIT_TESTS["kl"], typical_threshold(model.cpu(), EXIT_TESTS["kl"]), MAX_LOOPS)
+        model.cuda()
+    s0 = torch.zeros(2, idx.size(1) + 40, model.config.n_embd, dtype=torch.float64, device="cuda")
+    eager = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
+    torch._dynamo.reset()
+    monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, mode="reduce-overhead",
+                                                             fullgraph=True))
+    compiled = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
+    torch._dynamo.reset()
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 
 # ---- dtype -----------------------------------------------------------------------------------
@@ -488,6 +626,25 @@ def test_r_max_defaults_to_the_models_max_loops(tiny, capsys):
     _, _, err = run_main(capsys, "--exit=state", "--exit_threshold=0")  # never stops early
     # 3 samples of 30 new tokens: the first read after the prompt (mean_loops 2), the rest at r_max
     assert f"loops per new token (loops:tokens): 2:3 {MAX_LOOPS}:87" in err
+
+
+def test_tokens_per_second_count_the_decode_steps_after_a_warm_up(tiny, capsys, monkeypatch):
+    """Timed from the end of the first decode step (the warm-up, with any compilation) to the end: the
+    prefill's token and the warm-up's are not counted. Beside the mean loops, each step's deepest."""
+    readings = iter([0.0, 10.0, 14.0])  # before the prefill, after the warm-up step, at the end
+    monkeypatch.setattr(sample, "clock", lambda device: next(readings))
+    _, _, err = run_main(capsys, "--num_samples=2", "--exit=kl")
+    assert "14.0 tokens/s (56 timed)" in err  # 2 x (30 - 2) tokens in 4 s
+    mean, deepest = map(float, re.search(r"([\d.]+) loops \(a step's deepest ([\d.]+)\)", err).groups())
+    assert 1 <= mean < deepest <= MAX_LOOPS
+
+
+def test_the_clock_waits_for_a_gpu_and_not_for_the_cpu(monkeypatch):
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronized.append)
+    sample.clock("cpu")
+    sample.clock("cuda:1")
+    assert synchronized == ["cuda:1"]
 
 
 def test_a_vanishing_temperature_is_greedy(tiny, capsys):
