@@ -118,8 +118,9 @@ def run(main):
     except UserError as err:
         fail(err)
     except (OSError, ModuleNotFoundError) as err:  # OSError: a path, a permission, the network (ConnectionError)
-        install = f": pip install {err.name}" if isinstance(err, ModuleNotFoundError) else ""
-        fail(f"{err}{install}")
+        if isinstance(err, ModuleNotFoundError):  # an optional package (datasets, lm_eval): say how to add it
+            err = f"{err}: pip install {err.name.partition('.')[0]}"
+        fail(err)
     except (KeyboardInterrupt, RuntimeError) as err:
         # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it
         if KeyboardInterrupt in (type(err), type(err.__context__)):
