@@ -20,6 +20,7 @@ import os
 import re
 import time
 import unicodedata
+from functools import partial
 from math import inf
 
 import numpy as np
@@ -30,7 +31,7 @@ from evaluate import exit_depth, load_windows, loop_counts, markdown, paired_boo
 from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, ExitTest, autocast, checkpoint_id, load_checkpoint,
                    save_atomic, uniform_depth)
 from prepare import load_tokenizer, open_dataset
-from sample import generate
+from sample import generate, sample_next
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
 windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
@@ -54,6 +55,7 @@ TRACED = ("loss", "kl", "dstate_rel", "argmax")  # what the policies read off th
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
 CLASSES = ("space", "numeral", "punctuation", "word")
 EXITS = {"A1": "kl", "A1s": "state"}  # the exits of model.EXIT_TESTS, by their policy's name
+GREEDY = partial(sample_next, temperature=0.0, top_k=0, generators=None)  # logits (B, V) -> the argmax (B,)
 
 
 # ---- A2: the oracle-labelled router
@@ -300,12 +302,6 @@ class TaskScorer:
         self.depths = []  # each request's loops per scored or generated token
         self.traced = {}  # (context ids, continuation ids) -> its continuation's trace, (r_max, n) each
 
-    def tokens(self, context, continuation):
-        """A request's ids, tokenized apart; the context's trailing spaces open the continuation, as lm-eval's
-        Hugging Face models do (" Paris" is one token, "Paris" after a space is another)."""
-        stripped = context.rstrip()
-        return tuple(self.encode(stripped) or [self.eot]), tuple(self.encode(context[len(stripped):] + continuation))
-
     def trace_requests(self, pairs):
         """Trace the (context, continuation) pairs not traced yet, each its last block_size + 1 tokens, right-padded
         to one length (causal attention keeps the padding out of every real token)."""
@@ -337,7 +333,13 @@ class TaskScorer:
         return -loss.double().sum().item(), bool((argmax == traced["target"]).all())
 
     def loglikelihood(self, requests):
-        pairs = [self.tokens(*request.args) for request in requests]
+        """Each (context, continuation) tokenized apart, the context's trailing spaces opening the continuation as
+        lm-eval's Hugging Face models do (" Paris" is one token, "Paris" after a space another)."""
+        pairs = []
+        for context, continuation in (request.args for request in requests):
+            stripped = context.rstrip()
+            context_ids = self.encode(stripped) or [self.eot]
+            pairs.append((tuple(context_ids), tuple(self.encode(context[len(stripped):] + continuation))))
         self.trace_requests(pairs)
         return [self.read(pair) for pair in pairs]
 
@@ -365,18 +367,13 @@ class TaskScorer:
             max_new = options.get("max_gen_toks", 256)
             s0 = torch.zeros(1, idx.size(1) + max_new, self.model.config.n_embd, device=idx.device)
             new_ids = []
-            for token, loops in generate(self.model, idx, max_new, s0, greedy, depth.r_max, depth):
+            for token, loops in generate(self.model, idx, max_new, s0, GREEDY, depth.r_max, depth):
                 new_ids.append(token.item())
                 self.depths.append(loops)
                 if any(stop in self.decode(new_ids) for stop in stops):
                     break
             texts.append(re.split("|".join(map(re.escape, stops)) or "$^", self.decode(new_ids))[0])
         return texts
-
-
-def greedy(logits):
-    """The likeliest token of each row: logits (B, V) -> (B,)."""
-    return logits.argmax(-1)
 
 
 def load_tasks(C):
@@ -407,14 +404,16 @@ def score_tasks(model, scorer_args, task_dict, grids, C):
                 result = lm_evaluate(lm, {name: task}, limit=C.limit or None, bootstrap_iters=C.bootstrap,
                                      verbosity="WARNING")
             runs[policy, depth] = result, torch.cat([loops.flatten().float() for loops in lm.depths])
-            if (policy, depth) == ("A0", depths[-1]) and lm.traced:  # the exits, placed on A0's traced tokens
-                policies += exit_settings(lm, grids, [r for r in depths if r >= MIN_EXIT_LOOP])
+            if (policy, depth) == ("A0", depths[-1]) and lm.traced:  # a likelihood task, all A0 rows done: the exits
+                policies += matched_exits(lm, grids, [r for r in depths if r >= MIN_EXIT_LOOP])
         rows += task_rows(model, name, runs, C)
     print_tasks(rows)
     return rows
-def exit_settings(lm, grids, depths):
-    """[(exit, depth, the grid threshold whose mean loops over the traced tokens is nearest depth)]: the cost is
-    matched on the task's own tokens, never on its labels."""
+
+
+def matched_exits(lm, grids, depths):
+    """[(exit, depth, the grid threshold whose mean loops over the task's traced tokens is nearest depth)]: the
+    cost is matched on the task's own tokens, never on its labels."""
     settings = []
     for policy in EXITS:
         scores = torch.cat([traced[SCORES[policy]] for traced in lm.traced.values()], dim=1)[MIN_EXIT_LOOP - 1:]

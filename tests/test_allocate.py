@@ -454,7 +454,7 @@ def test_generate_until_is_samples_greedy_text_cut_at_its_stop_string(trained):
     encode, decode = load_tokenizer(root / "data" / "tiny")
     idx = torch.tensor([encode("The ")])
     s0 = torch.zeros(1, idx.size(1) + 40, model.config.n_embd)
-    greedy_ids = [t.item() for t, _ in sample.generate(model, idx, 40, s0, allocate.greedy, 3, uniform_depth(3))]
+    greedy_ids = [t.item() for t, _ in sample.generate(model, idx, 40, s0, allocate.GREEDY, 3, uniform_depth(3))]
     text = decode(greedy_ids)
     stop = text[5:7]  # a stop string the greedy text meets early
     cut = scorer(trained).generate_until(requests(("The ", {"until": [stop], "max_gen_toks": 40})))[0]
