@@ -14,24 +14,19 @@ matched average loops, and by the loops and FLOPs per token at which each reache
 depth at mean_loops), with paired bootstrap 95% intervals; then A1's mean exit depth by token class.
 
     python allocate.py --out_dir=out-shakespeare
-    python allocate.py --tasks=shakespeare_cloze --include_path=tasks  # lm-eval tasks at each depth and exit
 """
 import os
-import re
 import time
 import unicodedata
-from functools import partial
 from math import inf
 
 import numpy as np
 import torch
 
 from configurator import UserError, configure, run
-from evaluate import exit_depth, load_windows, loop_counts, markdown, paired_bootstrap, show, table, trace, trace_windows
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, ExitTest, autocast, checkpoint_id, load_checkpoint,
-                   save_atomic, uniform_depth)
+from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, show, table, trace_windows
+from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
 from prepare import load_tokenizer, open_dataset
-from sample import generate, sample_next
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
 windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
@@ -43,10 +38,6 @@ bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
-tasks = ""  # lm-eval tasks (e.g. hellaswag,arc_easy): scored at each of --loops and under A1 and A1s, not the windows
-include_path = ""  # with --tasks: a folder of local lm-eval task YAML files, e.g. tasks
-loops = "1,2,4,8,16"  # with --tasks: the uniform depths; the exits are matched to each from 2 on
-limit = 0  # with --tasks: items per task; 0: all
 RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
              bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"), device=DEVICES)
 POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
@@ -54,8 +45,6 @@ SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score i
 TRACED = ("loss", "kl", "dstate_rel", "argmax")  # what the policies read off the trace
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
 CLASSES = ("space", "numeral", "punctuation", "word")
-EXITS = {"A1": "kl", "A1s": "state"}  # the exits of model.EXIT_TESTS, by their policy's name
-GREEDY = partial(sample_next, temperature=0.0, top_k=0, generators=None)  # logits (B, V) -> the argmax (B,)
 
 
 # ---- A2: the oracle-labelled router
@@ -285,196 +274,6 @@ def print_report(res):
           classes["rows"], "class:s count:d mean_exit_depth:.2f")
 
 
-# ---- lm-evaluation-harness's tasks: every policy read off one trace of each request
-class TaskScorer:
-    """lm-eval's three requests over a checkpoint (score_tasks adds lm-eval's LM class as a base). A continuation
-    token's log-probability is the one it has at the loop where `policy` stops it, read off a trace to r_max from
-    a zero state as allocate's windows are: the task scores and allocate's A1/A1s agree by construction."""
-
-    def __init__(self, model, tokenizer, eot, r_max, batch_size):
-        super().__init__()  # lm-eval's LM: rank 0 of 1
-        self.model = model
-        self.encode, self.decode = tokenizer  # load_tokenizer's pair
-        self.eot = eot  # the context of a request that has none
-        self.r_max = r_max
-        self.batch_size = batch_size
-        self.policy = ("A0", r_max)  # (policy, its loops or exit threshold): set before each run
-        self.depths = []  # each request's loops per scored or generated token
-        self.traced = {}  # (context ids, continuation ids) -> its continuation's trace, (r_max, n) each
-
-    def trace_requests(self, pairs):
-        """Trace the (context, continuation) pairs not traced yet, each its last block_size + 1 tokens, right-padded
-        to one length (causal attention keeps the padding out of every real token)."""
-        block = self.model.config.block_size
-        pairs = [pair for pair in dict.fromkeys(pairs) if pair not in self.traced]
-        if not pairs:  # every policy after the first reads the trace again
-            return
-        windows = [(context + continuation)[-(block + 1):] for context, continuation in pairs]
-        padded = torch.zeros(len(windows), max(map(len, windows)), dtype=torch.long)
-        for row, window in enumerate(windows):
-            padded[row, :len(window)] = torch.tensor(window)
-        traced = trace_windows(self.model, padded.to(self.model.wte.weight.device), self.r_max, self.batch_size, TRACED)
-        for row, (window, (_, continuation)) in enumerate(zip(windows, pairs)):
-            if len(continuation) >= len(window):  # its first tokens would go unscored: a wrong number
-                raise UserError(f"a continuation of {len(continuation)} tokens does not fit block_size {block}")
-            scored = slice(len(window) - 1 - len(continuation), len(window) - 1)  # x's positions predicting it
-            self.traced[pairs[row]] = {key: traced[key][:, row, scored] for key in TRACED}
-            self.traced[pairs[row]]["target"] = padded[row, 1:][scored]
-
-    def read(self, pair):
-        """(the continuation's log-probability, whether each of its tokens is the argmax) under the policy."""
-        traced = self.traced[pair]
-        policy, setting = self.policy
-        depth = torch.full_like(traced["target"], setting)
-        if policy in EXITS:  # each token's first loop from 2 whose score is below the threshold
-            depth = exit_depth(traced[SCORES[policy]][MIN_EXIT_LOOP - 1:], setting)
-        self.depths.append(depth)
-        loss, argmax = (traced[key].gather(0, depth[None] - 1)[0] for key in ("loss", "argmax"))
-        return -loss.double().sum().item(), bool((argmax == traced["target"]).all())
-
-    def loglikelihood(self, requests):
-        """Each (context, continuation) tokenized apart, the context's trailing spaces opening the continuation as
-        lm-eval's Hugging Face models do (" Paris" is one token, "Paris" after a space another)."""
-        pairs = []
-        for context, continuation in (request.args for request in requests):
-            stripped = context.rstrip()
-            context_ids = self.encode(stripped) or [self.eot]
-            pairs.append((tuple(context_ids), tuple(self.encode(context[len(stripped):] + continuation))))
-        self.trace_requests(pairs)
-        return [self.read(pair) for pair in pairs]
-
-    def loglikelihood_rolling(self, requests):
-        """Each document in windows of block_size, each token scored once, after as many tokens as fit."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-        documents = []
-        for (text,) in (request.args for request in requests):
-            windows = get_rolling_token_windows(self.encode(text), self.eot, self.model.config.block_size, 1)
-            documents.append([tuple(map(tuple, make_disjoint_window(window))) for window in windows])
-        self.trace_requests([pair for pairs in documents for pair in pairs])
-        return [sum(self.read(pair)[0] for pair in pairs) for pairs in documents]
-
-    def generate_until(self, requests):
-        """sample.generate's greedy text after each context, alone, from a zero state at the policy's depth or exit
-        (the prompt at r_max loops, as the trace runs a context), cut at its first stop string."""
-        policy, setting = self.policy
-        depth = uniform_depth(setting)
-        if policy in EXITS:
-            depth = DepthPolicy(EXIT_TESTS[EXITS[policy]], setting, self.r_max)
-        texts = []
-        for context, options in (request.args for request in requests):
-            stops = options.get("until", [])
-            idx = torch.tensor([self.encode(context) or [self.eot]], device=self.model.wte.weight.device)
-            max_new = options.get("max_gen_toks", 256)
-            s0 = torch.zeros(1, idx.size(1) + max_new, self.model.config.n_embd, device=idx.device)
-            new_ids = []
-            for token, loops in generate(self.model, idx, max_new, s0, GREEDY, depth.r_max, depth):
-                new_ids.append(token.item())
-                self.depths.append(loops)
-                if any(stop in self.decode(new_ids) for stop in stops):
-                    break
-            texts.append(re.split("|".join(map(re.escape, stops)) or "$^", self.decode(new_ids))[0])
-        return texts
-
-
-def load_tasks(C):
-    """{name: lm-eval's task} of --tasks, built in or from --include_path; UserError for a task lm-eval lacks."""
-    from lm_eval.tasks import TaskManager  # imported here: lm-eval is needed only with --tasks
-    try:
-        return TaskManager(include_path=C.include_path or None).load(C.tasks.split(","))["tasks"]
-    except KeyError as err:  # lm-eval's word for a task it does not know
-        raise UserError(f"--tasks: {err.args[0]}") from None
-
-
-def score_tasks(model, scorer_args, task_dict, grids, C):
-    """Each task at each uniform depth of --loops, then (a likelihood task) under A1 and A1s, each at the grid
-    threshold whose mean loops over the task's scored tokens is nearest one depth's -> rows of tasks.json."""
-    from lm_eval.api.model import LM
-    from lm_eval.evaluator import evaluate as lm_evaluate
-    lm = type("NanoloopLM", (TaskScorer, LM), {})(*scorer_args)  # lm-eval's LM with TaskScorer's methods
-    depths = [r for r in loop_counts(C.loops, 1) if r <= lm.r_max]
-    rows = []
-    for name, task in task_dict.items():
-        lm.traced = {}
-        runs = {}  # (policy, depth) -> (lm-eval's result, the loops each scored token ran)
-        policies = [("A0", r, r) for r in depths]
-        for policy, depth, setting in policies:
-            lm.policy = (policy, setting)
-            lm.depths = []
-            with autocast(C.device, C.dtype):  # as the windows are traced
-                result = lm_evaluate(lm, {name: task}, limit=C.limit or None, bootstrap_iters=C.bootstrap,
-                                     verbosity="WARNING")
-            runs[policy, depth] = result, torch.cat([loops.flatten().float() for loops in lm.depths])
-            if (policy, depth) == ("A0", depths[-1]) and lm.traced:  # a likelihood task, all A0 rows done: the exits
-                policies += matched_exits(lm, grids, [r for r in depths if r >= MIN_EXIT_LOOP])
-        rows += task_rows(model, name, runs, C)
-    print_tasks(rows)
-    return rows
-
-
-def matched_exits(lm, grids, depths):
-    """[(exit, depth, the grid threshold whose mean loops over the task's traced tokens is nearest depth)]: the
-    cost is matched on the task's own tokens, never on its labels."""
-    settings = []
-    for policy in EXITS:
-        scores = torch.cat([traced[SCORES[policy]] for traced in lm.traced.values()], dim=1)[MIN_EXIT_LOOP - 1:]
-        mean_loops = np.array([exit_depth(scores, t).float().mean().item() for t in grids[policy]])
-        settings += [(policy, r, grids[policy][np.abs(mean_loops - r).argmin()]) for r in depths]
-    return settings
-
-
-def task_rows(model, name, runs, C):
-    """A row per metric of each run of one task; an exit's row also holds its difference from the uniform row of
-    its depth, with a paired bootstrap interval over the task's items."""
-    rows = []
-    for (policy, depth), (result, loops) in runs.items():
-        test = EXIT_TESTS[EXITS[policy]] if policy in EXITS else None
-        mean_loops = loops.mean().item()
-        for key, value in result["results"][name].items():
-            metric, _, kept_by = key.partition(",")  # lm-eval's "acc,none": a metric and its filter
-            if not kept_by or metric.endswith("_stderr"):  # its "alias"; a stderr is read with its metric
-                continue
-            stderr = result["results"][name].get(f"{metric}_stderr,{kept_by}")
-            row = {"task": name, "metric": metric, "policy": policy, "loops": depth, "mean_loops": mean_loops,
-                   "flops_per_token": model.inference_flops(mean_loops, model.config.block_size, test),
-                   "value": value, "stderr": stderr if isinstance(stderr, float) else None}  # lm-eval's "N/A"
-            if policy in EXITS:  # its depth is the one it is matched to, not its own
-                row["loops"] = None
-                row["versus_uniform"] = {"loops": depth} | paired_items(result, runs["A0", depth][0], name, key, C)
-            rows.append(row)
-    return rows
-
-
-def paired_items(result, uniform, name, key, C):
-    """An exit's mean of a per-item metric minus the uniform run's, with its paired bootstrap interval over the
-    items -> {"value", "interval"}; none for a metric lm-eval aggregates from pairs (perplexity)."""
-    metric, _, kept_by = key.partition(",")
-    per_item = {}
-    for label, run in (("exit", result), ("uniform", uniform)):
-        samples = sorted((s for s in run["samples"][name] if s["filter"] == kept_by), key=lambda s: s["doc_id"])
-        per_item[label] = np.array([sample[metric] for sample in samples], dtype=float)
-    if per_item["exit"].ndim > 1:  # (log-likelihood, words) per item
-        return {"value": None, "interval": None}
-
-    def difference(resampled):
-        return resampled["exit"].mean() - resampled["uniform"].mean()
-    return paired_bootstrap(difference, per_item, C.bootstrap, C.seed)
-
-
-def print_tasks(rows):
-    cells = []
-    for row in rows:
-        policy = f"A0 r={row['loops']}"
-        versus = "-"
-        if row["policy"] in EXITS:
-            policy = f"{row['policy']} ~{row['versus_uniform']['loops']}"
-            versus = show(row["versus_uniform"])
-        stderr = "-" if row["stderr"] is None else f"{row['stderr']:.4f}"
-        cells.append([row["task"], row["metric"], policy, f"{row['mean_loops']:.2f}",
-                      f"{row['flops_per_token'] / 1e6:.3g}", f"{row['value']:.4f}", stderr, versus])
-    headers = ["task", "metric", "policy", "mean loops", "MFLOP/token", "value", "stderr", "exit - A0 at its r [95%]"]
-    print(markdown(headers, cells))
-
-
 def main(argv=()):
     C, _ = configure(globals(), argv)
     # 1) the checkpoint, its data and the windows; every refusal before the work
@@ -487,28 +286,19 @@ def main(argv=()):
     if r_max < max(MIN_EXIT_LOOP, mean):
         raise UserError(f"--r_max={r_max}: needs at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
-    encode, decode = load_tokenizer(data_dir)  # before the work: A1's token classes and the tasks need it
+    _, decode = load_tokenizer(data_dir)  # before the work: A1's token classes need it
     length = model.config.block_size + 1
+    wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
     train_wins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
-    if C.tasks:  # lm-eval's tasks instead of the evaluation windows
-        task_dict = load_tasks(C)
-    else:
-        wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
     print(f"{ckpt_path}: {checkpoint_id(ckpt)}; {C.device} {C.dtype}")
     # 2) the probe and the grids from training windows; the trace of the evaluation windows
     started = time.perf_counter()
     with autocast(C.device, C.dtype):
         probe, grids = fit_router(model, train_wins.to(C.device), C, r_max)
-    if C.tasks:  # lm-eval's tasks instead of the windows, the exits' thresholds from the same grids
-        rows = score_tasks(model, (model, (encode, decode), meta["eot_id"], r_max, C.batch_size), task_dict, grids, C)
-        save_atomic(os.path.join(C.out_dir, "tasks.json"), rows)
-        print(f"\nwrote {C.out_dir}/tasks.json in {time.perf_counter() - started:.0f}s")
-        return rows
-    with autocast(C.device, C.dtype):
         # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
         traced = trace_windows(model, wins.to(C.device), r_max, C.batch_size, TRACED, states_as=("probe", probe))
     # 3) every policy read off it, compared with uniform depth, reported; then saved, window by window
-    tests = {policy: EXIT_TESTS[name] for policy, name in EXITS.items()} | {"A2": probe_exit_test(probe)}
+    tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
     per_window = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
            "windows": C.windows, "probe": probe_accuracy(traced)}

@@ -4,9 +4,7 @@ hand-made traces, curves and FLOP counts."""
 import importlib
 import json
 import os
-import sys
 import sysconfig
-from functools import partial
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -20,12 +18,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import allocate
 import configurator
 import evaluate
-import sample
 import train
 from configurator import UserError
 from evaluate import load_windows, paired_bootstrap
 from prepare import load_tokenizer
-from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss, uniform_depth
+from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
 R_MAX = 8  # the tiny model's max_loops
 
@@ -388,168 +385,6 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     for row in classes["rows"][:-1]:
         picked = [d for d, name in zip(depth, by_input) if name == row["class"]]
         assert row.get("mean_exit_depth") == (pytest.approx(np.mean(picked)) if picked else None)
-
-
-# ----------------------------------------------------------------------------- lm-evaluation-harness's tasks
-
-def scorer(trained, policy=("A0", 3), batch_size=4):
-    """allocate's TaskScorer over the tiny model (lm-eval's LM base is not needed to call its methods)."""
-    root, model, *_ = trained
-    lm = allocate.TaskScorer(model, load_tokenizer(root / "data" / "tiny"), 0, R_MAX, batch_size)
-    lm.policy = policy
-    return lm
-
-
-def requests(*args):
-    return [SimpleNamespace(args=a) for a in args]
-
-
-def traced_losses(model, ids, n_scored):
-    """The trace of one sequence of ids: each loop's loss, KL, state change and argmax of its last n_scored tokens."""
-    x = torch.tensor([ids[:-1]])
-    traced = evaluate.trace(model, x, torch.tensor([ids[1:]]), R_MAX)
-    return {key: values[:, 0, -n_scored:] for key, values in traced.items()}
-
-
-@pytest.mark.parametrize("policy", [("A0", 1), ("A0", 3), ("A1", 0.05), ("A1s", 0.05)])
-def test_loglikelihood_is_the_traces_loss_at_each_tokens_depth_batched_or_alone(trained, policy):
-    """The log-probability of a continuation is minus the trace's losses of its tokens at the loops where the
-    policy stops each (uniform depth: r; an exit: allocate's exit_depth on the same trace), in a batch and alone."""
-    _, model, *_ = trained
-    lm = scorer(trained, policy)
-    asked = [("The quick brown fox", " jumps over"), ("Copyright ", "(c) 2001"), ("", "Python Software")]
-    batched = lm.loglikelihood(requests(*asked))
-    for (context, continuation), (logprob, greedy) in zip(asked, batched):
-        alone = scorer(trained, policy, batch_size=1).loglikelihood(requests((context, continuation)))[0]
-        assert alone[0] == pytest.approx(logprob, abs=1e-4) and alone[1] == greedy
-        stripped = context.rstrip()  # the trailing space opens the continuation
-        ids = list(stripped.encode() or [0]) + list((context[len(stripped):] + continuation).encode())
-        n = len(ids) - len(stripped.encode() or b"0")
-        traced = traced_losses(model, ids, n)
-        depth = torch.full((n,), policy[1])
-        if policy[0] != "A0":
-            depth = allocate.exit_depth(traced[allocate.SCORES[policy[0]]][MIN_EXIT_LOOP - 1:], policy[1])
-            assert 2 <= depth.min() and depth.float().mean() < R_MAX  # the exit really stops tokens early
-        loss = traced["loss"].gather(0, depth[None] - 1)[0]
-        assert logprob == pytest.approx(-loss.double().sum().item(), abs=1e-4)
-        argmax = traced["argmax"].gather(0, depth[None] - 1)[0]
-        assert greedy == bool((argmax == torch.tensor(ids[-n:])).all())
-
-
-def test_loglikelihood_rolling_is_the_sum_over_windows_of_block_size(trained):
-    _, model, *_ = trained
-    document = Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt").read_text()[:100]  # 100 tokens, block 32
-    total = scorer(trained).loglikelihood_rolling(requests((document,)))[0]
-    ids = [0] + list(document.encode())  # EOT, then every token scored once
-    by_hand = 0.0
-    for start in range(0, 100, 32):  # windows of 32 predicted tokens, each after the 32 tokens before it
-        n_scored = min(32, 100 - start)
-        window = ids[max(0, start + n_scored - 32):start + n_scored + 1]
-        by_hand -= traced_losses(model, window, n_scored)["loss"][2].double().sum().item()
-    assert total == pytest.approx(by_hand, abs=1e-3)
-
-
-def test_generate_until_is_samples_greedy_text_cut_at_its_stop_string(trained):
-    root, model, *_ = trained
-    encode, decode = load_tokenizer(root / "data" / "tiny")
-    idx = torch.tensor([encode("The ")])
-    s0 = torch.zeros(1, idx.size(1) + 40, model.config.n_embd)
-    greedy_ids = [t.item() for t, _ in sample.generate(model, idx, 40, s0, allocate.GREEDY, 3, uniform_depth(3))]
-    text = decode(greedy_ids)
-    stop = text[5:7]  # a stop string the greedy text meets early
-    cut = scorer(trained).generate_until(requests(("The ", {"until": [stop], "max_gen_toks": 40})))[0]
-    assert cut == text[:text.index(stop)]
-    whole = scorer(trained).generate_until(requests(("The ", {"until": ["never in it"], "max_gen_toks": 40})))[0]
-    assert whole == text
-    exits = scorer(trained, ("A1s", 0.05)).generate_until(requests(("The ", {"until": [], "max_gen_toks": 10})))
-    assert isinstance(exits[0], str)
-
-
-def write_local_task(folder, items):
-    """A two-choice task as lm-eval reads one from --include_path: a JSONL and a YAML."""
-    folder.mkdir(exist_ok=True)
-    (folder / "tiny_mc.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
-    (folder / "tiny_mc.yaml").write_text(f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / "tiny_mc.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
-
-
-ITEMS = [{"context": "The Python Software", "choices": ["Foundation", "zqxjv"], "label": 0},
-         {"context": "Permission is hereby", "choices": ["qqqq", "granted"], "label": 1},
-         {"context": "the standard", "choices": ["library", "xkcd"], "label": 1},
-         {"context": "Copyright", "choices": ["(c)", "wwww"], "label": 0}]
-
-
-def test_a_local_task_through_simple_evaluate_has_the_accuracy_computed_by_hand(trained, tmp_path):
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.api.model import LM
-    from lm_eval.tasks import TaskManager
-    write_local_task(tmp_path / "tasks", ITEMS)
-    lm = type("NanoloopLM", (allocate.TaskScorer, LM), {})(*scorer_args(trained))
-    lm.policy = ("A0", 3)
-    result = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], bootstrap_iters=0, random_seed=None,
-                                     numpy_random_seed=None, torch_random_seed=None, fewshot_random_seed=None,
-                                     task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
-    by_hand = scorer(trained)
-    correct = []
-    for item in ITEMS:  # lm-eval puts its target delimiter, a space, before each choice
-        scores = [by_hand.loglikelihood(requests((item["context"], " " + choice)))[0][0] for choice in item["choices"]]
-        correct.append(int(np.argmax(scores)) == item["label"])
-    assert result["results"]["tiny_mc"]["acc,none"] == pytest.approx(np.mean(correct))
-
-
-def scorer_args(trained):
-    root, model, *_ = trained
-    return model, load_tokenizer(root / "data" / "tiny"), 0, R_MAX, 4
-
-
-def test_main_with_tasks_writes_a_row_per_policy_with_its_loops_flops_and_paired_difference(trained, monkeypatch):
-    pytest.importorskip("lm_eval")
-    import lm_eval.tasks
-    root, model, *_ = trained
-    monkeypatch.chdir(root)
-    write_local_task(root / "tasks", ITEMS * 3)
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", partial(lm_eval.tasks.TaskManager, include_defaults=False))
-    rows = allocate.main(["--out_dir=out", "--tasks=tiny_mc", "--include_path=tasks", "--loops=1,2,4",
-                          "--train_windows=2", "--batch_size=4", "--n_grid=12", "--bootstrap=50"])
-    assert json.loads((root / "out" / "tasks.json").read_text()) == rows
-    keys = {"task", "metric", "policy", "loops", "mean_loops", "flops_per_token", "value", "stderr"}
-    uniform = {row["loops"]: row for row in rows if row["policy"] == "A0"}
-    assert sorted(uniform) == [1, 2, 4]
-    for r, row in uniform.items():
-        assert keys == set(row) and row["mean_loops"] == r and row["metric"] == "acc"
-        assert row["flops_per_token"] == model.inference_flops(r, model.config.block_size)
-    exits = [row for row in rows if row["policy"] in ("A1", "A1s")]
-    assert len(exits) == 4  # each exit matched to depths 2 and 4
-    for row in exits:
-        assert row["loops"] is None and keys < set(row)
-        matched = uniform[row["versus_uniform"]["loops"]]
-        assert row["versus_uniform"]["value"] == pytest.approx(row["value"] - matched["value"])
-        low, high = row["versus_uniform"]["interval"]
-        assert low <= row["versus_uniform"]["value"] <= high
-
-
-def test_an_unknown_task_or_lm_eval_missing_is_one_line(trained, monkeypatch, capsys):
-    pytest.importorskip("lm_eval")
-    import lm_eval.tasks
-    monkeypatch.chdir(trained[0])
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", partial(lm_eval.tasks.TaskManager, include_defaults=False))
-    args = ["--out_dir=out", "--train_windows=2", "--batch_size=4"]
-    assert "no_such_task" in one_line_error(capsys, *args, "--tasks=no_such_task")
-    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # as if lm-eval were not installed
-    assert "pip install lm_eval" in one_line_error(capsys, *args, "--tasks=tiny_mc")
 
 
 def one_line_error(capsys, *args):
