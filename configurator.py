@@ -115,12 +115,10 @@ def run(main):
     file or folder the OS refuses, the network, a missing package, out of memory), Ctrl-C exit 130."""
     try:
         main(sys.argv[1:])
-    except UserError as err:
+    except (UserError, OSError) as err:  # OSError: a path, a permission, the network (ConnectionError)
         fail(err)
-    except (OSError, ModuleNotFoundError) as err:  # OSError: a path, a permission, the network (ConnectionError)
-        if isinstance(err, ModuleNotFoundError):  # an optional package (datasets, lm_eval): say how to add it
-            err = f"{err}: pip install {err.name.partition('.')[0]}"
-        fail(err)
+    except ModuleNotFoundError as err:  # a package only some sources need (datasets): say how to add it
+        fail(f"{err}: pip install {err.name.partition('.')[0]}")
     except (KeyboardInterrupt, RuntimeError) as err:
         # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it
         if KeyboardInterrupt in (type(err), type(err.__context__)):

@@ -297,8 +297,7 @@ class GPT(nn.Module):
         attention = 4 * T * c.n_embd
         prelude = matmuls(self.prelude_blocks) + attention * c.n_prelude  # wte is a lookup
         loop = matmuls(self.core) + attention * c.n_core
-        head = 2 * self.lm_head.weight.numel()
-        readout = matmuls(self.coda_blocks) + head + attention * c.n_coda
+        readout = matmuls(self.coda_blocks) + matmuls(self.lm_head) + attention * c.n_coda
         return prelude, loop, readout
 
     def flops_per_token(self, loops, n_grad, T):
@@ -416,31 +415,19 @@ def save_atomic(path, obj):
     os.replace(f"{path}.tmp", path)
 
 
-def read_checkpoint(path, device="cpu"):
-    """The checkpoint dict train.py saved at path; UserError if there is none. Loaded with weights_only:
-    a pickle never runs code, and a corrupt or hand-edited file raises torch's own error."""
-    if not os.path.isfile(path):
-        raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
-        raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
-    return ckpt
-
-
 def checkpoint_id(ckpt):
     """The run and step an output came from (a retrained run differs)."""
     return f"{ckpt['config'].get('run_id', 'unnamed')}@{ckpt['iter_num']}"
 
 
-def model_from_checkpoint(ckpt):
-    """The GPT a checkpoint's model_args and weights describe."""
+def load_checkpoint(path, device="cpu"):
+    """-> (the GPT train.py saved at path, in eval mode on device; the checkpoint dict); UserError if there is
+    none. Loaded with weights_only: a pickle never runs code; a corrupt or hand-edited file raises torch's error."""
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
+        raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
     model = GPT(GPTConfig(**ckpt["model_args"]))
     model.load_state_dict(ckpt["model"])
-    return model
-
-
-def load_checkpoint(path, device="cpu"):
-    """-> (model in eval mode on device, checkpoint dict)."""
-    ckpt = read_checkpoint(path, device)
-    model = model_from_checkpoint(ckpt)
     return model.to(device).eval(), ckpt

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import prepare
 from configurator import UserError, configure, run
-from model import CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, model_from_checkpoint, read_checkpoint, save_atomic
+from model import CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, load_checkpoint, save_atomic
 
 # I/O
 out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
@@ -153,7 +153,7 @@ def check_skips(skipped, it, grace):
 
 def prepare_model(model, C, device):
     """The model moved to device, each part compiled on its own if asked (a new depth never recompiles) -> its AdamW."""
-    model.to(device)
+    model.to(device).train()  # a resumed model comes from load_checkpoint in eval mode
     if C.compile:
         print(f"compiling prelude, core and coda ({C.compile_backend})")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
@@ -202,7 +202,7 @@ def main(argv=()):
     ckpt = None
     saved = {}
     if C.init_from == "resume":
-        ckpt = read_checkpoint(ckpt_path)  # on the CPU: the RNG states stay there, the rest moves with the model
+        model, ckpt = load_checkpoint(ckpt_path)  # on the CPU: the RNG states stay there, the model moves below
         saved = ckpt["model_args"] | {"dataset": ckpt["config"]["dataset"]}
     elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
         raise UserError(f"{ckpt_path} exists: --init_from=resume, or --overwrite_checkpoint=True to replace it")
@@ -225,9 +225,7 @@ def main(argv=()):
             dist.barrier()
     data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
     # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
-    if ckpt:
-        model = model_from_checkpoint(ckpt)
-    else:
+    if not ckpt:
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{key: getattr(C, key) for key in MODEL_KEYS}))
     config = model.config
     optimizer = prepare_model(model, C, device)
@@ -298,12 +296,11 @@ def main(argv=()):
             check_skips(skipped, it, C.guard_grace_iters)
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
-            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr}
             # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
             # same count for config/study_dense.py's dense twin: the two runs' ratio is study.sh's parity)
             tokens = micro_steps * math.prod(shape)
             flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
-            figures["flops_per_s"] = flops / dt
+            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr, "flops_per_s": flops / dt}
             print(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, {flops / dt:.3g} FLOP/s")
             print(json.dumps(figures), file=metrics)
     metrics.close()
