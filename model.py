@@ -284,8 +284,12 @@ class GPT(nn.Module):
             s = self.core_step(e, s)
         if targets is None:
             return self.readout(s), None
-        logits = self.readout(s).float()  # a float32 softmax under any autocast
-        return None, F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        # The readout without its head: the loss applies the head a few rows at a time, in float32 under any
+        # autocast, so that no (B, T, vocab) logits are kept for backward (about 12 bytes a logit if they were)
+        normed = self.norm(self.coda_blocks(s, *self.rope(s.size(1)))).float()
+        chunks = torch.nn.LinearCrossEntropyOptions()  # torch's choice of rows per chunk for this device
+        return None, F.linear_cross_entropy(normed.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                            ignore_index=-1, options=chunks)
 
     # ---- the FLOP ledger: one count for the FLOP rate train.py logs (MFU) and for allocate.py
     def flop_terms(self, T):
