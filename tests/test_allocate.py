@@ -422,3 +422,25 @@ def test_checkpoint_without_its_dataset_is_one_line(trained, tmp_path, monkeypat
     os.link(trained[0] / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
     assert "data/tiny" in one_line_error(capsys, "--out_dir=out")
+
+
+@pytest.mark.cuda
+def test_on_cuda_allocate_gives_the_cpus_uniform_losses_and_every_policy(trained, tmp_path, monkeypatch):
+    """allocate.py with its defaults on a GPU machine (cuda, float32), on the tiny checkpoint: uniform depth's
+    losses (the bar among them) as the CPU gives them, up to the GPU's kernels, and every policy read off."""
+    root, *_ = trained
+    (tmp_path / "out").mkdir()
+    os.link(root / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")  # its own allocate.json, not the module's
+    monkeypatch.chdir(root)  # where its dataset is
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # as in its own process (train.py sets it)
+    args = [f"--out_dir={tmp_path / 'out'}", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=12",
+            "--bootstrap=50"]
+    on_the_gpu = allocate.main(args)
+    on_the_cpu = allocate.main(args + ["--device=cpu"])
+    assert (on_the_gpu["args"]["device"], on_the_gpu["args"]["dtype"]) == ("cuda", "float32")
+    assert on_the_gpu["bar"] == pytest.approx(on_the_cpu["bar"], rel=1e-3)
+    gpu_losses = np.array(on_the_gpu["per_window"]["A0 loss"])
+    np.testing.assert_allclose(gpu_losses, np.array(on_the_cpu["per_window"]["A0 loss"]), rtol=1e-3)
+    for name in ("A1", "A1s", "A2"):
+        loops = np.array(on_the_gpu["per_window"][f"{name} loops"])
+        assert (MIN_EXIT_LOOP <= loops).all() and (loops <= R_MAX).all(), name

@@ -423,3 +423,20 @@ def test_help_lists_every_setting_and_exits_0():
     for key in configurator.read_settings(vars(evaluate)):
         assert f"--{key}=" in out.stdout
     assert "batch-1 forwards timed per loop count" in out.stdout  # each setting's comment
+
+
+@pytest.mark.cuda
+def test_on_cuda_evaluate_gives_the_cpus_losses(indir, result, tmp_path, monkeypatch):
+    """evaluate.py with its defaults on a GPU machine (cuda, float32), on the tiny checkpoint: the losses the
+    CPU gave at each depth, up to the GPU's own noise draws and kernels."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # as in its own process (train.py sets it)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(indir / "out-tiny" / "ckpt.pt", out / "ckpt.pt")  # its own eval.json, not the module's
+    on_the_gpu = evaluate.main(FAST + [f"--out_dir={out}"])
+    assert (on_the_gpu["args"]["device"], on_the_gpu["args"]["dtype"]) == ("cuda", "float32")
+    on_the_cpu = result[0]
+    assert [row["loops"] for row in on_the_gpu["elasticity"]] == [row["loops"] for row in on_the_cpu["elasticity"]]
+    for cpu_row, gpu_row in zip(on_the_cpu["elasticity"], on_the_gpu["elasticity"]):
+        assert gpu_row["loss"] == pytest.approx(cpu_row["loss"], rel=0.02) and gpu_row["tokens_per_s"] > 0
+    assert json.loads((out / "eval.json").read_text())["args"]["device"] == "cuda"

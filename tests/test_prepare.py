@@ -308,7 +308,7 @@ def test_hub_sources_streamed(workdir, monkeypatch, source):
     """The hub's code path on local stand-ins for its datasets and SmolLM2's tokenizer."""
     if not SMOLLM2_JSON.is_file():
         pytest.skip(f"no {SMOLLM2_JSON}: the SmolLM2 tokenizer cannot be loaded offline")
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the hub's sources need it (pip install datasets)")
     docs = {"train": make_docs(40, seed=2), "validation": make_docs(5, seed=3)}
     for split, texts in docs.items():  # a token_count (GPT-2 tokens) per row, like fineweb-edu's
         rows = [json.dumps({"text": text, "token_count": 1000}) + "\n" for text in texts]
@@ -337,7 +337,7 @@ def test_hub_sources_streamed(workdir, monkeypatch, source):
 
 
 def test_fineweb_sample_holds_what_is_asked(monkeypatch):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the hub's sources need it (pip install datasets)")
 
     def name_of_the_sample(path, name=None, split=None, streaming=False):
         raise LookupError(name)  # the sample asked for, before any download
@@ -356,6 +356,7 @@ def test_fineweb_sample_holds_what_is_asked(monkeypatch):
 def test_the_hub_unreachable_is_one_line(workdir, source):
     """`python prepare.py --source=tinystories` with no network: datasets raises a ConnectionError at once in
     the hub's offline mode (an unreachable endpoint raises the same after a minute of retries)."""
+    pytest.importorskip("datasets", reason="without it the error is another one (the next test's)")
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(workdir / "hf")}  # an empty cache
     code, stderr = run_prepare([f"--source={source}"], workdir, offline)
     assert code == 2 and stderr.count("\n") == 1

@@ -27,7 +27,7 @@ from model import GPT, GPTConfig, load_checkpoint, save_atomic
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--dataset=tiny", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--ffn_hidden=48", "--n_prelude=1",
         "--n_core=1", "--n_coda=1", "--block_size=16", "--batch_size=4", "--mean_loops=2", "--max_loops=4",
-        "--bptt_k=1", "--eval_iters=2", "--log_interval=1", "--compile=False"]
+        "--bptt_k=1", "--eval_iters=2", "--log_interval=1"]  # on the CPU, on any machine: conftest.cpu_defaults
 
 
 @pytest.fixture
@@ -170,9 +170,11 @@ def _gloo_rank(rank, init_file, out_dir):
 
 def test_ddp_step_equals_one_process_on_the_concatenated_batch(tmp_path):
     """Issue 33: two gloo ranks, one micro-batch each, end a step where one process does on both: the
-    all-reduce averages the ranks' gradients (deleted, or divided by the world size twice, they differ)."""
-    ranks = [multiprocessing.get_context("fork").Process(target=_gloo_rank, args=(rank, tmp_path / "init", tmp_path))
-             for rank in (0, 1)]
+    all-reduce averages the ranks' gradients (deleted, or divided by the world size twice, they differ).
+    The ranks are spawned, not forked: a forked child of a process whose autograd (or CUDA) has started
+    cannot run a backward pass."""
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_gloo_rank, args=(rank, tmp_path / "init", tmp_path)) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -409,7 +411,9 @@ def test_scratch_run_never_overwrites_a_checkpoint(tiny_data, capsys):
 
 def test_diverged_model_is_never_saved(tiny_data, capsys):
     """Resume a trained tiny model with settings that make it diverge, evaluating (and, finite, saving) at
-    every step: the non-finite model is never saved, the last finite one stays."""
+    every step: the non-finite model is never saved, the last finite one stays. In float32 on the CPU on any
+    machine (conftest.cpu_defaults): how a model diverges (its weights first, or its loss, whose steps the
+    guard skips) depends on the dtype and the device, and this test needs the weights to go first."""
     train.main(TINY + ["--max_iters=4", "--eval_interval=4", "--out_dir=o", "--weight_decay=10"])
     # lr 10 and weight decay 10: each step multiplies the matrices by 1 - 100 = -99 until they overflow (the
     # resumed run gets the weight decay it is given)
@@ -450,7 +454,7 @@ def test_resume_keeps_the_checkpoints_model_and_says_so(tiny_data, capsys):
     assert "n_head=2" in refusal(capsys, train.main, ["cfg.py", "--out_dir=o", "--init_from=resume"])
     # nothing given: the checkpoint's model and dataset, whatever the defaults, and the saved config says so
     hist = train.main(["--init_from=resume", "--out_dir=o", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
-                       "--batch_size=2", "--compile=False"])
+                       "--batch_size=2"])
     assert [h[0] for h in hist] == [2, 3] and max(h[1] for h in hist) <= 4
     ckpt = torch.load("o/ckpt.pt", weights_only=True)
     assert ckpt["iter_num"] == 4 and ckpt["config"]["dataset"] == "tiny"
@@ -464,7 +468,7 @@ def test_resuming_with_another_number_of_ranks_is_one_line(tiny_data, capsys):
     ckpt = torch.load("o/ckpt.pt", weights_only=True)
     ckpt["rng"]["data"] *= 3  # as three ranks save it
     torch.save(ckpt, "o/ckpt.pt")
-    resume = ["--out_dir=o", "--init_from=resume", "--max_iters=3", "--compile=False"]  # the model: the checkpoint's
+    resume = ["--out_dir=o", "--init_from=resume", "--max_iters=3"]  # the model: the checkpoint's
     assert "was saved by 3 ranks, not 1" in refusal(capsys, train.main, resume)
 
 
@@ -755,7 +759,7 @@ def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_da
 
 def test_dry_run_of_the_papers_configuration_at_a_tiny_width(tiny_data, capsys, attention_dtypes):
     """config/s1.py as it is (2 + 4 x r + 2 blocks, mean 8 loops, bptt 8, its schedule), only narrow and short."""
-    argv = [str(ROOT / "config/s1.py"), "--device=cpu", "--dtype=bfloat16", "--dataset=tiny", "--n_embd=32",
+    argv = [str(ROOT / "config/s1.py"), "--dtype=bfloat16", "--dataset=tiny", "--n_embd=32",
             "--n_head=4", "--n_kv_head=2", "--ffn_hidden=64", "--block_size=16", "--batch_size=2",
             "--gradient_accumulation_steps=2", "--max_iters=2", "--eval_interval=1", "--eval_iters=1",
             "--log_interval=1", "--out_dir=s1dry"]
@@ -783,3 +787,26 @@ def test_flop_rate_is_the_steps_flops_over_its_time(tiny_data, capsys, monkeypat
     step_flops = model.flops_per_token(loops, min(loops, 1), 16) * 4 * 16  # bptt_k 1, batch 4, block 16
     assert metrics("p")[1]["flops_per_s"] == pytest.approx(step_flops)  # the dense twin's parity is read from it
     assert f"{step_flops:.3g} FLOP/s" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+def test_on_cuda_a_compiled_bf16_run_trains_and_saves(tiny_data, capsys):
+    """train.py's own defaults on a GPU machine: cuda, bf16 autocast, each part compiled with inductor."""
+    on_the_gpu = [flag for flag in TINY if not flag.startswith("--compile")]
+    torch._dynamo.reset()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        hist = train.main(on_the_gpu + ["--max_iters=2", "--eval_interval=2", "--out_dir=c"])
+    finally:
+        torch._dynamo.reset()
+    assert "compiling prelude, core and coda (inductor)" in capsys.readouterr().out
+    assert len(hist) == 2 and all(math.isfinite(loss) for _, _, loss in hist)
+    assert torch.cuda.max_memory_allocated() > 0  # it ran on the GPU
+    model, ckpt = load_checkpoint("c/ckpt.pt")
+    settings = ckpt["config"]
+    assert (settings["device"], settings["dtype"], settings["compile"]) == ("cuda", "bfloat16", True)
+    assert ckpt["iter_num"] == 2 and all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(r["flops_per_s"] > 0 for r in metrics("c") if "loss" in r)
