@@ -62,7 +62,8 @@ def fit_probe(x, y):
     mu = x.mean(0)
     sd = x.std(0).clamp_min(1e-6)
     with_bias = torch.cat([(x - mu) / sd, torch.ones(len(x), 1)], dim=1)
-    w = torch.linalg.lstsq(with_bias.double(), y.double()[:, None]).solution[:, 0].float()
+    fit = torch.linalg.lstsq(with_bias.double(), y.double()[:, None])
+    w = fit.solution[:, 0].float()
 
     def probe(s):  # float32, whatever the autocast
         z = (s.float() - mu.to(s.device)) / sd.to(s.device)

@@ -90,7 +90,8 @@ def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", gen
     states_as = (name, fn), also {name: fn(each batch's states (n_loops, B, T, d)), joined along the windows}."""
     parts = defaultdict(list)
     for batch in tqdm(wins.split(batch_size), leave=False):
-        traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, state_init, generator, states_as is not None)
+        keep_states = states_as is not None
+        traced = trace(model, batch[:, :-1], batch[:, 1:], n_loops, state_init, generator, keep_states)
         for key in keys:
             parts[key].append(traced[key].cpu())
         if states_as:
@@ -171,7 +172,8 @@ def saturation(losses, swept, mean):
     # Past its best depth a curve is flat and noise picks the minimum: the tolerance keeps that noise out
     # of the depth, and the interval says how far the windows move it (between swept depths: interpolated).
     depths = [r for r in swept if r <= 4 * mean]  # swept always holds 1
-    per_window = {"loss": losses[[r - 1 for r in depths]].double().mean(2).numpy()}  # (depths, windows)
+    at_depths = losses[[r - 1 for r in depths]]  # (depths, windows, T)
+    per_window = {"loss": at_depths.double().mean(2).numpy()}  # (depths, windows)
 
     def depth_index(resampled):
         loss = resampled["loss"].mean(1)

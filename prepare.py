@@ -154,7 +154,8 @@ def check_ours(path, needs_meta=True):
     """UserError unless path is absent or prepare.py's (OUTPUTS alone): anything else is a user's."""
     if not os.path.lexists(path):
         return
-    ours = os.path.isdir(path) and not os.path.islink(path) and set(os.listdir(path)) <= OUTPUTS
+    is_folder = os.path.isdir(path) and not os.path.islink(path)
+    ours = is_folder and set(os.listdir(path)) <= OUTPUTS
     if not ours or needs_meta and not os.path.isfile(f"{path}/meta.json"):
         raise UserError(f"{path} is not a dataset prepare.py wrote: left alone (move it, or pass --name)")
 
@@ -172,7 +173,8 @@ def write_bin(path, split, tok, dtype, limit=sys.maxsize):
                 ids.tofile(f)
                 n_tokens += len(ids)
                 # bits per byte divides by these: a document cut by the limit counts its kept tokens' share
-                n_bytes += round(len(text.encode("utf-8")) * len(ids) / (len(doc.ids) + 1))
+                kept = len(ids) / (len(doc.ids) + 1)
+                n_bytes += round(len(text.encode("utf-8")) * kept)
                 bar.update(len(ids))
     return n_tokens, n_bytes
 
@@ -200,7 +202,8 @@ def parse_settings(argv):
     """argv -> the settings, the source's defaults filled in; UserError for bad input."""
     C, given = configure(globals(), argv)
     path = Path(C.source)
-    if C.source not in ("shakespeare", *HUB) and not (path.suffix == ".txt" and path.is_file()):
+    is_text_file = path.suffix == ".txt" and path.is_file()
+    if C.source not in ("shakespeare", *HUB) and not is_text_file:
         raise UserError(f"--source={C.source}: not shakespeare, tinystories, fineweb-edu or a .txt file")
     C.name = C.name or path.stem  # the source's own: data/input for input.txt
     if "/" in C.name or C.name.startswith("."):  # not "..", "a/b" or hidden, like prepare.py's .<name>.tmp
@@ -210,7 +213,8 @@ def parse_settings(argv):
     if not C.tokenizer:
         C.tokenizer = "smollm2" if C.source in HUB else "bpe:1024"
     size = C.tokenizer.removeprefix("bpe:")
-    if size != C.tokenizer and not (size.isdecimal() and 257 <= int(size) <= 2 ** 20):
+    bpe_size_fits = size.isdecimal() and 257 <= int(size) <= 2 ** 20
+    if size != C.tokenizer and not bpe_size_fits:
         raise UserError(f"--tokenizer={C.tokenizer}: expected bpe:N, 257 <= N <= 2**20 (256 bytes and EOT)")
     if size == C.tokenizer and C.tokenizer not in HUB_TOKENIZERS and not Path(C.tokenizer).is_file():
         raise UserError(f"--tokenizer={C.tokenizer}: not smollm2, gpt2, bpe:N or a tokenizer.json file")

@@ -108,7 +108,8 @@ def get_batch(path, meta, shape, generator, device):
     if len(data) < block_size + 2:
         raise UserError(f"{path} has {len(data)} tokens, fewer than block_size + 2")
     starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
-    xy = torch.stack([torch.from_numpy(data[i:i + block_size + 1].astype(np.int64)) for i in starts])
+    windows = [data[i:i + block_size + 1].astype(np.int64) for i in starts]
+    xy = torch.from_numpy(np.stack(windows))
     if "cuda" in device:
         xy = xy.pin_memory()  # so that the copy to the GPU runs beside its work
     xy = xy.to(device, non_blocking=True)
@@ -158,7 +159,8 @@ def prepare_model(model, C, device):
         print(f"compiling prelude, core and coda ({C.compile_backend})")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile(backend=C.compile_backend)
-    return model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device.split(":")[0])
+    device_type = device.split(":")[0]
+    return model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device_type)
 
 
 @torch.no_grad()
@@ -226,7 +228,8 @@ def main(argv=()):
     data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
     # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
     if not ckpt:
-        model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **{key: getattr(C, key) for key in MODEL_KEYS}))
+        shape = {key: getattr(C, key) for key in MODEL_KEYS}
+        model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **shape))
     config = model.config
     optimizer = prepare_model(model, C, device)
     if world > 1:  # every rank starts from rank 0's weights (each drew its own)
