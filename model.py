@@ -71,19 +71,19 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of one stack of blocks, one slot per sequence and position: k and v are
-    (layers, batch, n_kv_head, block_size, head_dim).
+    """Keys and values of one stack of blocks, one slot per sequence and position: k and v are lists
+    of a tensor (batch, n_kv_head, block_size, head_dim) per layer.
 
     Used for the core, this is Huginn's rule: a token's slot holds the K/V of the last loop it ran,
     so a token that stopped looping early is seen by later tokens as it was when it stopped."""
 
     def __init__(self, config, n_layers, batch, device, dtype):
-        head_dim = config.n_embd // config.n_head
-        shape = (n_layers, batch, config.n_kv_head, config.block_size, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        torch._dynamo.mark_static_address(self.k, guard=False)  # fixed: a CUDA graph writes them in place
-        torch._dynamo.mark_static_address(self.v, guard=False)
+        shape = (batch, config.n_kv_head, config.block_size, config.n_embd // config.n_head)
+        # a tensor per layer: compiled, a write into a view of one stacked tensor copied it whole
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        for tensor in self.k + self.v:  # at fixed addresses: a CUDA graph writes them in place
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 class CacheView(NamedTuple):

@@ -412,18 +412,22 @@ class CountingSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         devices = {t.device for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)}
-        is_copy = func in (aten._to_copy.default, aten.copy_.default)
-        self.count += func in HOST_READS or (is_copy and len(devices) > 1)
+        copies_across = func in (aten._to_copy.default, aten.copy_.default) and len(devices) > 1
+        if func in HOST_READS or copies_across:
+            self.count += 1
         return out
 
 
 def test_the_sync_counter_sees_what_the_old_engine_did():
-    """looping.nonzero() and .item() each loop: the counter must see both."""
+    """The old engine's nonzero() and .item() each loop, and a copy to another device: each counted; a
+    copy on the same device is not."""
     looping = torch.tensor([True, False, True])
     with CountingSyncs() as syncs:
         rows = looping.nonzero()[:, 0]
         looping[rows].any().item()
-    assert syncs.count == 2
+        looping.to("meta")  # (a copy to a GPU reads the same)
+        looping.clone()
+    assert syncs.count == 3
 
 
 @pytest.mark.parametrize("exit", ["none", "kl", "state"])
