@@ -116,6 +116,7 @@ def read_policies(model, traced, tests, grids):
     (points, windows) array}: each window's mean loss, loops and FLOPs per token at each of A0's
     depths r = 1..r_max and at each of an exit's thresholds."""
     r_max, n, T = traced["loss"].shape
+    # A0 at depth r: every token of every window runs r loops
     uniform_loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], n, 1)
     per_window = {("A0", "loss"): traced["loss"].double().mean(2).numpy(),
                   ("A0", "loops"): uniform_loops,
@@ -284,6 +285,7 @@ def main(argv=()):
         raise UserError(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
     r_max = C.r_max or model.config.max_loops
+    # the bar is uniform depth at mean_loops, and an exit compares two loops: r_max must reach both
     if r_max < max(MIN_EXIT_LOOP, mean):
         raise UserError(f"--r_max={r_max}: needs at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)

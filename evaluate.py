@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from configurator import UserError, configure, run
-from model import DEVICES, autocast, checkpoint_id, load_checkpoint, save_atomic, state_change, token_kl, token_loss
+from model import (DEVICES, autocast, checkpoint_id, clock, load_checkpoint, save_atomic, state_change, token_kl,
+                   token_loss)
 from prepare import bits_per_byte, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
@@ -65,6 +66,7 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
     # for the cost of the deepest (plus its readouts)
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
+    # no readout before loop 1: the first loop's KL is inf (never "converged")
     logits = None
     out = defaultdict(list)
     for _ in range(n_loops):
@@ -105,17 +107,12 @@ def tokens_per_second(model, wins, r, C):
     """Forwards of one window at a time at r loops: the speed a single request sees."""
     # timed apart from the pass, whose readout at every loop a plain forward does not pay
     timed = wins[:C.timing_windows, :-1]
-    cuda = C.device.startswith("cuda")
     with autocast(C.device, C.dtype):
         model(timed[:1], loops=r)  # a warm-up: allocations and kernel choices are not timed
-        if cuda:  # a GPU runs queued work: wait for it before reading the clock
-            torch.cuda.synchronize(C.device)
-        started = time.perf_counter()
+        started = clock(C.device)  # a GPU runs queued work: the clock waits for it
         for x in timed:
             model(x[None], loops=r)
-        if cuda:
-            torch.cuda.synchronize(C.device)
-    return timed.numel() / (time.perf_counter() - started)
+    return timed.numel() / (clock(C.device) - started)
 
 
 def sweep(losses, speed, meta):

@@ -13,6 +13,7 @@ Every loop in the project is built from four verbs: prelude, init_state, core_st
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -102,6 +103,7 @@ class CacheView(NamedTuple):
             ran = self.active.view(-1, 1, 1, 1)
             k = torch.where(ran, k, keys.index_select(2, positions))
             v = torch.where(ran, v, values.index_select(2, positions))
+        # index_copy_ at a position tensor: the same kernel at every step, and pos is never read on the host
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
 
@@ -334,6 +336,7 @@ def by_chunks(fn, logits, other):
     # a batch's logits need not fit in float32 at once (S1's 8 x 2048 x 49,152 are 3.2 GB)
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
     mine = logits.reshape(-1, logits.size(-1)).split(rows)
+    # other's rows follow logits' rows: targets (N,) or a second set of logits (N, V)
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
     results = [fn(a.float(), b) for a, b in zip(mine, theirs)]
     return torch.cat(results).view(logits.shape[:-1])
@@ -404,6 +407,13 @@ DEVICES = (("cpu", "cuda") + GPUS) if GPUS else ("cpu",)
 def autocast(device, dtype):
     """bf16 autocast for the matmuls, on CUDA or (for the tests) on the CPU."""
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype != "float32")
+
+
+def clock(device):
+    """time.perf_counter() once the device has done the work queued (a GPU runs behind the host)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 # ---- files

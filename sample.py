@@ -9,14 +9,14 @@ waits for the host). Past block_size the context keeps its last half, prefilled 
 With one sample the text is printed as it is chosen; with several, each whole at the end.
 """
 import sys
-import time
 from math import inf
 
 import torch
 import torch.nn.functional as F
 
 from configurator import UserError, configure, run
-from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, load_checkpoint, uniform_depth
+from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, clock, load_checkpoint,
+                   uniform_depth)
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
@@ -78,10 +78,12 @@ def decode_loop(model, caches, e, s, logits, looping, loops, pos, depth):
     logits_new = None
     if depth.test is not None and depth.test.needs_logits:
         logits_new = model.readout(s_new, CacheView(caches["coda"], pos, active)).float()
+    # r_max bounds every row: uniform depth is the case of a test that never fires
     go_on = loops < depth.r_max
     if depth.test is not None:  # from MIN_EXIT_LOOP a row goes on while its score is at least the threshold
         score = depth.test.score(s_new, s, logits_new, logits)[:, 0]
         go_on &= (loops < MIN_EXIT_LOOP) | (score >= depth.threshold)
+    # written in place: the buffers keep their addresses, which a CUDA graph's replays read and write
     s.copy_(torch.where(active[:, None, None], s_new, s))
     if logits_new is not None:
         logits.copy_(torch.where(active[:, None, None], logits_new, logits))
@@ -103,6 +105,7 @@ class HostFlag:
         self.copied = torch.cuda.current_stream().record_event() if flag.is_cuda else None  # a CPU: at once
 
     def read(self):
+        # on a GPU this waits for the copy alone, never for the loops queued after it
         if self.copied is not None:
             self.copied.synchronize()
         return self.value.item()
@@ -147,6 +150,7 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
         # 4) the new token at the next position (a tensor: every step has the same shapes), looped
         pos = torch.full((1,), n_cached, device=idx.device)
         e = model.prelude(next_token[:, None], CacheView(caches["prelude"], pos))
+        # every row starts the token afresh: its s_0, looping, no loops run
         s.copy_(s0[:, t:t + 1])
         looping.fill_(True)
         loops_ran.zero_()
@@ -165,18 +169,12 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
         n_cached += 1
 
 
-def clock(device):
-    """time.perf_counter() once the device has done the work queued (a GPU runs behind the host)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def main(argv=()):
     C, _ = configure(globals(), argv)
     path = f"{C.out_dir}/ckpt.pt"
     model, ckpt = load_checkpoint(path, C.device)
-    encode, decode = load_tokenizer(open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())[0])
+    data_dir, _ = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())  # its tokenizer only
+    encode, decode = load_tokenizer(data_dir)
     ids = encode(C.start)
     # the prompt must survive the round trip: a tokenizer that drops what it cannot encode would
     # otherwise continue a prompt the user did not write

@@ -646,8 +646,8 @@ def test_tokens_per_second_count_the_decode_steps_after_a_warm_up(tiny, capsys, 
 def test_the_clock_waits_for_a_gpu_and_not_for_the_cpu(monkeypatch):
     synchronized = []
     monkeypatch.setattr(torch.cuda, "synchronize", synchronized.append)
-    sample.clock("cpu")
-    sample.clock("cuda:1")
+    model_lib.clock("cpu")
+    model_lib.clock("cuda:1")
     assert synchronized == ["cuda:1"]
 
 
