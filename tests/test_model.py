@@ -146,7 +146,7 @@ def test_kv_cache_write_places_each_token_at_its_row_and_position():
     assert written.nonzero().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [2, 4]]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
 def test_on_cuda_a_prefill_runs_on_a_fused_kernel():
     """A prefill attends causally without a mask: it may not fall to the math kernel. (A decoded token
     attends over the whole cache with a mask: under sample.py's torch.compile, inductor writes it.)"""

@@ -500,7 +500,7 @@ def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompile
     assert len(set(eager[1].flatten().tolist())) > 2  # the exit really stopped tokens at varied loops
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_cuda = pytest.mark.cuda  # skipped without a GPU; with one, the scripts keep their CUDA defaults (conftest.py)
 
 
 @needs_cuda
