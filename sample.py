@@ -162,8 +162,9 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
                 flags.append(HostFlag(no_row_looping))
             if len(flags) > ahead and flags[-1 - ahead].read():
                 break
-        logits = carried[:, -1].clone()
-        if depth.test is None or not depth.test.needs_logits:  # one readout of every token's final state
+        if depth.test is not None and depth.test.needs_logits:  # the KL exit carried each row's last readout
+            logits = carried[:, -1].clone()
+        else:  # one readout of every token's final state
             logits = model.readout(s, CacheView(caches["coda"], pos))[:, -1]
         loops = loops_ran.clone()
         n_cached += 1

@@ -291,12 +291,17 @@ def loss_and_gradients(model, idx, targets, dtype, whole_logits=False):
     return loss.double().detach(), {name: p.grad.double() for name, p in model.named_parameters()}
 
 
-def test_in_float32_the_training_loss_and_gradients_are_the_whole_logits_to_float_precision():
-    """Issue 39: F.linear_cross_entropy by chunks computes the loss the whole logits gave, in float32."""
-    model = tiny()
+def a_loss_case():
+    """A tiny model, its inputs and targets, one target ignored (-1) -> (model, idx, targets)."""
     idx = torch.randint(0, 50, (2, 16))
     targets = torch.randint(0, 50, (2, 16))
     targets[0, 3] = -1
+    return tiny(), idx, targets
+
+
+def test_in_float32_the_training_loss_and_gradients_are_the_whole_logits_to_float_precision():
+    """Issue 39: F.linear_cross_entropy by chunks computes the loss the whole logits gave, in float32."""
+    model, idx, targets = a_loss_case()
     loss, grads = loss_and_gradients(model, idx, targets, "float32")
     whole_loss, whole_grads = loss_and_gradients(model, idx, targets, "float32", whole_logits=True)
     torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=0)
@@ -309,10 +314,7 @@ def test_under_bf16_the_training_loss_and_gradients_move_less_than_bf16s_own_rou
     """Under bf16 autocast the loss from the whole logits took them in bf16; the chunked one applies the head
     in float32. The loss and every gradient move from the whole logits' by less than those carry in rounding
     error (their distance to the same step in float64): the change is within the rounding bf16 brings."""
-    model = tiny()
-    idx = torch.randint(0, 50, (2, 16))
-    targets = torch.randint(0, 50, (2, 16))
-    targets[0, 3] = -1
+    model, idx, targets = a_loss_case()
     loss, grads = loss_and_gradients(model, idx, targets, "bfloat16")
     whole_loss, whole_grads = loss_and_gradients(model, idx, targets, "bfloat16", whole_logits=True)
     exact_loss, exact_grads = loss_and_gradients(model.double(), idx, targets, "float32", whole_logits=True)
