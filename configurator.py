@@ -118,6 +118,8 @@ def run(main):
     except (UserError, OSError) as err:  # OSError: a path, a permission, the network (ConnectionError)
         fail(err)
     except ModuleNotFoundError as err:  # a package only some sources need (datasets): say how to add it
+        if err.name is None:  # raised by a package itself (a broken install): its message is all there is
+            fail(f"{err} (is a package broken? reinstall it)")
         fail(f"{err}: pip install {err.name.partition('.')[0]}")
     except (KeyboardInterrupt, RuntimeError) as err:
         # torch.save's zip writer turns a Ctrl-C into a RuntimeError raised while handling it

@@ -198,7 +198,8 @@ def main(argv=()):
     if rank > 0:  # rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
-    torch.backends.cuda.matmul.allow_tf32 = True  # float32 matmuls in TF32 on a GPU, as nanoGPT does
+    if "cuda" in device:  # float32 matmuls in TF32, as nanoGPT does (a setting of the whole process)
+        torch.backends.cuda.matmul.allow_tf32 = True
     # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces one unasked
     ckpt_path = f"{C.out_dir}/ckpt.pt"
     ckpt = None

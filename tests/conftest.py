@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts are modules at the repo root
 
@@ -14,6 +15,71 @@ CPU_DEFAULTS = {"device": "cpu", "dtype": "float32", "compile": False}  # what t
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one); the scripts keep their "
                                        "CUDA defaults instead of the CPU's")
+
+
+def global_state():
+    """What a test could change for every test after it: torch's compiler settings and caches, its
+    process-wide defaults, and the globals of the project's modules (compared by identity)."""
+    state = {"torch._dynamo.config": config_state(torch._dynamo.config),
+             "torch._inductor.config": config_state(torch._inductor.config),
+             "dynamo's compiled frames": len(torch._dynamo.convert_frame.input_codes.seen),
+             "default dtype": torch.get_default_dtype(),
+             "threads": torch.get_num_threads(),
+             "grad mode": torch.is_grad_enabled(),
+             "TF32 matmuls": torch.backends.cuda.matmul.allow_tf32}
+    for name in PROJECT_MODULES:
+        if name in sys.modules:
+            # not the __dunder__ names: torch.compile adds __import_<module> ones to the modules it traces
+            module_globals = vars(sys.modules[name]).items()
+            state[f"{name}'s globals"] = {key: id(value) for key, value in module_globals if not key.startswith("__")}
+    return state
+
+
+def config_state(config):
+    """A torch config module's values, and the entries it hides: pytest's monkeypatch, undone, hides the
+    entry it set (reading it then raises AttributeError), and the values alone do not show that."""
+    hidden = [name for name, entry in config._config.items() if entry.hide]
+    return config.get_config_copy(), hidden
+
+
+PROJECT_MODULES = ("configurator", "model", "prepare", "train", "evaluate", "allocate", "sample")
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_global_state():
+    """Fails the test that changed global state (see global_state) and did not put it back: a later test would
+    run under it. The test's own fixtures are set up after this one, so it looks once they are torn down (after
+    monkeypatch's undo).
+    torch's configs are changed only through their own patch(): pytest's monkeypatch deletes their entries."""
+    before = global_state()
+    yield
+    after = global_state()
+    changed = [key for key in before if after.get(key) != before[key]]
+    for key in changed:
+        if key.endswith("globals"):  # name them
+            names = {name for name in before[key] | after[key] if before[key].get(name) != after[key].get(name)}
+            changed[changed.index(key)] = f"{key} ({', '.join(sorted(names))})"
+    if changed:
+        torch._dynamo.reset()  # what can be emptied is, so that the tests after it fail only for their own reasons
+        pytest.fail(f"the test left global state changed: {', '.join(changed)}")
+
+
+@pytest.fixture
+def fresh_compiler():
+    """torch.compile from an empty cache, emptied again after the test, even one that fails -> dynamo's counters."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def tf32_restored():
+    """For a test that runs train.main on a GPU: it allows TF32 matmuls for its whole process, as a script may."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = allowed
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,16 +114,20 @@ def cpu_defaults():
 
 
 @pytest.fixture(autouse=True)
-def cuda_tests_keep_the_cuda_defaults(request, cpu_defaults, monkeypatch):
+def cuda_tests_keep_the_cuda_defaults(request, cpu_defaults):
     """A test marked cuda is skipped without a GPU; with one, it runs with the scripts' own defaults
     (cuda, bfloat16 in train.py and sample.py, compile) and every GPU visible."""
     if request.node.get_closest_marker("cuda") is None:
+        yield
         return
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    if cpu_defaults["env"] is None:
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    else:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cpu_defaults["env"])
-    for module, name, value in cpu_defaults["settings"]:
-        monkeypatch.setattr(module, name, value)
+    # its own MonkeyPatch, not the test's: the test's is undone before leaves_no_global_state looks
+    with pytest.MonkeyPatch.context() as patch:
+        if cpu_defaults["env"] is None:
+            patch.delenv("CUDA_VISIBLE_DEVICES")
+        else:
+            patch.setenv("CUDA_VISIBLE_DEVICES", cpu_defaults["env"])
+        for module, name, value in cpu_defaults["settings"]:
+            patch.setattr(module, name, value)
+        yield

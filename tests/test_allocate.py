@@ -432,7 +432,6 @@ def test_on_cuda_allocate_gives_the_cpus_uniform_losses_and_every_policy(trained
     (tmp_path / "out").mkdir()
     os.link(root / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")  # its own allocate.json, not the module's
     monkeypatch.chdir(root)  # where its dataset is
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # as in its own process (train.py sets it)
     args = [f"--out_dir={tmp_path / 'out'}", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=12",
             "--bootstrap=50"]
     on_the_gpu = allocate.main(args)

@@ -429,7 +429,6 @@ def test_help_lists_every_setting_and_exits_0():
 def test_on_cuda_evaluate_gives_the_cpus_losses(indir, result, tmp_path, monkeypatch):
     """evaluate.py with its defaults on a GPU machine (cuda, float32), on the tiny checkpoint: the losses the
     CPU gave at each depth, up to the GPU's own noise draws and kernels."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # as in its own process (train.py sets it)
     out = tmp_path / "out"
     out.mkdir()
     os.link(indir / "out-tiny" / "ckpt.pt", out / "ckpt.pt")  # its own eval.json, not the module's

@@ -370,6 +370,17 @@ def test_hub_sources_without_datasets_installed_say_how_to_install_it(workdir, m
     assert stderr == "error: import of datasets halted; None in sys.modules: pip install datasets\n"
 
 
+def test_a_package_that_raises_module_not_found_itself_is_one_line(capsys):
+    """A broken install (or a shim) raises ModuleNotFoundError with no module name: still one line, exit 2."""
+    def broken_import(argv):
+        raise ModuleNotFoundError("No module named 'datasets._core'; 'datasets' is not a package")
+    with pytest.raises(SystemExit) as caught:
+        configurator.run(broken_import)
+    stderr = capsys.readouterr().err
+    assert caught.value.code == 2
+    assert stderr.count("\n") == 1 and stderr.startswith("error: No module named 'datasets._core'")
+
+
 def test_hub_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys):
     """No network and an empty cache: smollm2 and gpt2 are each one line saying what is needed."""
     import huggingface_hub.constants

@@ -12,7 +12,6 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -480,7 +479,7 @@ def test_a_gpu_reads_each_flag_one_loop_late_and_the_extra_loop_changes_nothing(
     assert len(calls) == (deepest + (deepest < MAX_LOOPS)).sum() and (deepest < MAX_LOOPS).any()
 
 
-def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompiles(tiny, monkeypatch):
+def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompiles(tiny, monkeypatch, fresh_compiler):
     """decode_loop under torch.compile(fullgraph=True) (inductor on the CPU), 100 new tokens with a KL
     exit, batch 2, past block_size: one graph, never recompiled, the same tokens and loops as eager."""
     model = small_block(tiny[0])
@@ -489,12 +488,10 @@ def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompile
     policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS)
     s0 = torch.zeros(2, idx.size(1) + 100, model.config.n_embd, dtype=torch.float64)
     eager = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
-    torch._dynamo.reset()
-    counters.clear()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, fullgraph=True))
-    compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
-    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # never monkeypatch: its undo hides the entry
+        compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
+    counters = fresh_compiler
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[1].flatten().tolist())) > 2  # the exit really stopped tokens at varied loops
@@ -518,7 +515,7 @@ def test_on_cuda_a_decode_step_at_uniform_depth_never_syncs(tiny):
 
 @needs_cuda
 @pytest.mark.parametrize("exit", ["none", "kl"])
-def test_on_cuda_the_compiled_decode_loop_equals_eager(tiny, monkeypatch, exit):
+def test_on_cuda_the_compiled_decode_loop_equals_eager(tiny, monkeypatch, fresh_compiler, exit):
     """CUDA graphs (mode reduce-overhead) in float64, so that no rounding can flip a token or an exit."""
     model = small_block(tiny[0]).cuda()
     idx = prompts(2).cuda()
@@ -528,11 +525,9 @@ def test_on_cuda_the_compiled_decode_loop_equals_eager(tiny, monkeypatch, exit):
         model.cuda()
     s0 = torch.zeros(2, idx.size(1) + 40, model.config.n_embd, dtype=torch.float64, device="cuda")
     eager = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
-    torch._dynamo.reset()
     monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, mode="reduce-overhead",
                                                              fullgraph=True))
     compiled = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
-    torch._dynamo.reset()
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 

@@ -729,13 +729,12 @@ def test_bf16_run_attends_in_bf16_saves_and_resumes_exactly(tiny_data, capsys, a
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: float32 master weights
 
 
-def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_data, monkeypatch, capsys):
+def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_data, monkeypatch, capsys,
+                                                                        fresh_compiler):
     """As a GPU run does it, with inductor (the backend CUDA users get; this CPU has a C++ compiler): prelude,
     core and coda compiled separately, so that a new depth every step never recompiles once each grad mode
     has been seen."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    counters.clear()
+    counters = fresh_compiler
     real_step, seen = train.train_step, []
 
     def counting_step(model, optimizer, batches, loops, C, world=1):
@@ -743,11 +742,8 @@ def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_da
         seen.append((loops, counters["stats"]["unique_graphs"], counters["frames"]["total"]))
         return out
     monkeypatch.setattr(train, "train_step", counting_step)
-    try:
-        hist = train.main(TINY + ["--compile=True", "--compile_backend=inductor", "--dtype=bfloat16",
-                                  "--max_iters=6", "--eval_interval=3", "--out_dir=c"])
-    finally:
-        torch._dynamo.reset()
+    hist = train.main(TINY + ["--compile=True", "--compile_backend=inductor", "--dtype=bfloat16",
+                              "--max_iters=6", "--eval_interval=3", "--out_dir=c"])
     assert "compiling prelude, core and coda (inductor)" in capsys.readouterr().out
     assert seen[0][0] > 1  # step 0 already ran loops without and with grad (bptt_k 1): the warm-up
     assert len({loops for loops, _, _ in seen}) >= 3  # the depth really changes
@@ -793,15 +789,11 @@ def test_flop_rate_is_the_steps_flops_over_its_time(tiny_data, capsys, monkeypat
 
 
 @pytest.mark.cuda
-def test_on_cuda_a_compiled_bf16_run_trains_and_saves(tiny_data, capsys):
+def test_on_cuda_a_compiled_bf16_run_trains_and_saves(tiny_data, capsys, fresh_compiler, tf32_restored):
     """train.py's own defaults on a GPU machine: cuda, bf16 autocast, each part compiled with inductor."""
     on_the_gpu = [flag for flag in TINY if not flag.startswith("--compile")]
-    torch._dynamo.reset()
     torch.cuda.reset_peak_memory_stats()
-    try:
-        hist = train.main(on_the_gpu + ["--max_iters=2", "--eval_interval=2", "--out_dir=c"])
-    finally:
-        torch._dynamo.reset()
+    hist = train.main(on_the_gpu + ["--max_iters=2", "--eval_interval=2", "--out_dir=c"])
     assert "compiling prelude, core and coda (inductor)" in capsys.readouterr().out
     assert len(hist) == 2 and all(math.isfinite(loss) for _, _, loss in hist)
     assert torch.cuda.max_memory_allocated() > 0  # it ran on the GPU
