@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from configurator import UserError, configure, run
-from evaluate import exit_depth, load_windows, markdown, paired_bootstrap, show, table, trace_windows
-from model import DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, ExitTest, autocast, checkpoint_id, load_checkpoint, save_atomic
+from evaluate import load_windows, markdown, paired_bootstrap, show, table, trace_windows
+from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, ExitTest, autocast, checkpoint_id, exit_depth,
+                   load_checkpoint, save_atomic)
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
@@ -40,9 +41,6 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
 RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
              bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"), device=DEVICES)
-POLICIES = {"A0": "A0 uniform", "A1": "A1 KL exit", "A1s": "A1s state", "A2": "A2 router"}
-SCORES = {"A1": "kl", "A1s": "dstate_rel", "A2": "probe"}  # each exit's score in the trace
-TRACED = ("loss", "kl", "dstate_rel", "argmax")  # what the policies read off the trace
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
 CLASSES = ("space", "numeral", "punctuation", "word")
 
@@ -85,7 +83,7 @@ def probe_exit_test(probe):
     def score(s_new, s_old, logits_new, logits_old):
         return probe(s_new)
     # a standardisation and a dot product per state channel
-    return ExitTest(score, lambda config: 4 * config.n_embd, needs_logits=False)
+    return ExitTest(score, lambda config: 4 * config.n_embd, needs_logits=False, policy="A2")
 
 
 def log_grid(scores, n):
@@ -100,40 +98,41 @@ def log_grid(scores, n):
 def fit_router(model, train_wins, C, r_max):
     """A2's probe, and every exit's threshold grid, from training windows only: tuned on the
     evaluation windows, they would flatter the exits. -> (the probe: states -> P(argmax changes
-    later), grids {policy: thresholds})"""
-    traced = trace_windows(model, train_wins, r_max, C.batch_size, TRACED, states_as=("state", torch.Tensor.float))
+    later), grids {exit test's name: thresholds}); "probe" is A2's)"""
+    keys = ("argmax", *EXIT_TESTS)
+    traced = trace_windows(model, train_wins, r_max, C.batch_size, keys, states_as=("states", torch.Tensor.float))
     labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
-    states = traced["state"][:-1]
+    states = traced["states"][:-1]
     probe = fit_probe(states.flatten(0, 2), labels.flatten())
-    grids = {"A1": log_grid(traced["kl"][1:], C.n_grid),
-             "A1s": log_grid(traced["dstate_rel"][1:], C.n_grid),
-             "A2": log_grid(probe(states).flatten(), C.n_grid)}
+    grids = {}
+    for name in EXIT_TESTS:  # the scores a token can stop on
+        grids[name] = log_grid(traced[name][MIN_EXIT_LOOP - 1:], C.n_grid)
+    grids["probe"] = log_grid(probe(states).flatten(), C.n_grid)
     return probe, grids
 
 
 def read_policies(model, traced, tests, grids):
-    """Every policy's points read off the trace -> per_window {(policy, "loss" | "loops" | "flops"):
-    (points, windows) array}: each window's mean loss, loops and FLOPs per token at each of A0's
-    depths r = 1..r_max and at each of an exit's thresholds."""
+    """Every policy's points read off the trace -> per_window {(policy, "loss" | "loops" | "flops"): (points,
+    windows) array}: each window's mean loss, loops and FLOPs per token at each of A0's depths r = 1..r_max
+    and, for each exit test {name: ExitTest}, at each of its thresholds grids[name] (its policy: test.policy)."""
     r_max, n, T = traced["loss"].shape
     # A0 at depth r: every token of every window runs r loops
     uniform_loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], n, 1)
     per_window = {("A0", "loss"): traced["loss"].double().mean(2).numpy(),
                   ("A0", "loops"): uniform_loops,
                   ("A0", "flops"): model.inference_flops(uniform_loops, T)}
-    # An exit at a threshold: each token's depth is its first loop (from 2) whose score is below it,
-    # and its loss is the trace's after that loop; a window's figures are its tokens' means.
-    for policy, test in tests.items():
-        scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]  # no exit before loop 2
+    # An exit at a threshold: each token runs the loops the stop rule gives it (model.exit_depth), and
+    # its loss is the trace's after its last loop; a window's figures are its tokens' means.
+    for name, test in tests.items():
         losses, loops = [], []
-        for threshold in grids[policy]:
-            depth = exit_depth(scores, threshold)  # (n, T): loops each token runs
+        for threshold in grids[name]:
+            depth = exit_depth(traced[name], DepthPolicy(test, threshold, r_max))  # (n, T): loops each token runs
             loss = traced["loss"].gather(0, depth[None] - 1)[0]  # each token's after its last loop
             losses.append(loss.double().mean(1).numpy())
             loops.append(depth.double().mean(1).numpy())
-        per_window[policy, "loss"] = np.stack(losses)
-        per_window[policy, "loops"] = np.stack(loops)
-        per_window[policy, "flops"] = model.inference_flops(per_window[policy, "loops"], T, test)
+        per_window[test.policy, "loss"] = np.stack(losses)
+        per_window[test.policy, "loops"] = np.stack(loops)
+        per_window[test.policy, "flops"] = model.inference_flops(per_window[test.policy, "loops"], T, test)
     return per_window
 
 
@@ -171,6 +170,14 @@ def bar_loss(per_window, mean):
     return per_window["A0", "loss"][mean - 1].mean()
 
 
+def operating_threshold(per_window, policy, grid, bar):
+    """An exit's operating point: the largest threshold on its grid whose loss reaches the bar (the fewest loops
+    that do), or the smallest if none does. sample.py runs each exit test at its own for the checkpoint."""
+    losses = per_window[policy, "loss"].mean(1)
+    reaching = [threshold for threshold, loss in zip(grid, losses) if loss <= bar]
+    return max(reaching, default=min(grid))
+
+
 def cost_at_bar(per_window, policy, mean, cost):
     return cost_at_loss(curve(per_window, policy, cost), bar_loss(per_window, mean))
 
@@ -201,14 +208,15 @@ def summarize(per_window, C, mean):
         # which all policies share, cancels out of each difference
         return paired_bootstrap(lambda resampled: stat(resampled, **kwargs), per_window, C.bootstrap, C.seed)
     res = {"bar": bar_loss(per_window, mean), "at_bar": {}, "table": []}
-    for policy in POLICIES:
+    policies = list(dict.fromkeys(policy for policy, _ in per_window))  # A0, then each exit's
+    for policy in policies:
         res["at_bar"][policy] = {}
         for cost in ("loops", "flops"):
             res["at_bar"][policy][cost] = interval(cost_at_bar, policy=policy, mean=mean, cost=cost)
             res["at_bar"][policy][f"{cost}_saved"] = interval(saving_at_bar, policy=policy, mean=mean, cost=cost)
     for depth in (mean * f for f in TABLE_ROWS):
         row = {"loops": depth, "A0": interp_loss(curve(per_window, "A0", "loops"), depth)}
-        for policy in ("A1", "A1s", "A2"):
+        for policy in policies[1:]:
             row[policy] = interval(loss_delta, policy=policy, at=depth, cost="loops")
         res["table"].append(row)
     return res
@@ -227,16 +235,13 @@ def token_class(text):
     return "word"
 
 
-def token_classes(traced, per_window, grids, bar, inputs, decode):
-    """The paper's "mean exit depth" by token class, read as A1's at its operating point: the loops each token
-    runs at the largest threshold on the grid whose loss reaches the bar (the smallest if none does), by the
-    class of the token at its position (the one that exits). traced["kl"] (r_max, n, T), inputs (n, T)."""
+def token_classes(traced, threshold, inputs, decode):
+    """The paper's "mean exit depth" by token class, read as A1's at its operating threshold, by the class
+    of the token at its position (the one that exits). traced["kl"] (r_max, n, T), inputs (n, T)."""
     # Not the first loop with KL < 1e-3 (evaluate.py's "still moving" line): at S1, 96% of tokens still
     # move at loop 4, so the paper's 3.58-4.25 loops are most likely an exit's at a looser threshold.
-    losses = per_window["A1", "loss"].mean(1)
-    reaching = [threshold for threshold, loss in zip(grids["A1"], losses) if loss <= bar]
-    threshold = max(reaching, default=min(grids["A1"]))
-    exits = exit_depth(traced["kl"][MIN_EXIT_LOOP - 1:], threshold).flatten().numpy()
+    scores = traced["kl"]
+    exits = exit_depth(scores, DepthPolicy(EXIT_TESTS["kl"], threshold, len(scores))).flatten().numpy()
     classes = np.array([token_class(decode([i])) for i in inputs.flatten().tolist()])
     rows = []
     for name in CLASSES:
@@ -255,7 +260,7 @@ def print_report(res):
           f"uniform r={res['mean_loops']}'s loss, {res['bar']:.4f}\n")
     print("Each exit's loss minus A0's at equal average loops (an interval holding 0 is no difference); "
           "the cost at which each reaches the bar (-: never), and what it saves there.\n")
-    exits = ["A1", "A1s", "A2"]
+    exits = res["exits"]  # {policy: its scores' name}
     rows = []
     for row in res["table"]:
         uniform = "-" if row["A0"] is None else f"{row['A0']:.4f}"  # no A0 below 1 loop
@@ -263,11 +268,11 @@ def print_report(res):
         rows.append([f"{row['loops']:.3g}", uniform] + deltas)
     at_bar = res["at_bar"]
     for cost, unit, scale in (("loops", "loops", 1), ("flops", "MFLOP/token", 1e6)):
-        reaches = [show(at_bar[policy][cost], ".2f", scale) for policy in POLICIES]
+        reaches = [show(at_bar[policy][cost], ".2f", scale) for policy in at_bar]
         saves = [show(at_bar[policy][f"{cost}_saved"], "+.3f") for policy in exits]
         rows.append([f"reaches the bar, {unit}"] + reaches)
         rows.append([f"saves, in {cost}", ""] + saves)
-    headers = ["avg loops", "A0 loss"] + [f"{POLICIES[policy]} - A0" for policy in exits]
+    headers = ["avg loops", "A0 loss"] + [f"{policy} ({name}) - A0" for policy, name in exits.items()]
     print(markdown(headers, rows))
     probe = res["probe"]
     print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
@@ -299,17 +304,25 @@ def main(argv=()):
     with autocast(C.device, C.dtype):
         probe, grids = fit_router(model, train_wins.to(C.device), C, r_max)
         # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
-        traced = trace_windows(model, wins.to(C.device), r_max, C.batch_size, TRACED, states_as=("probe", probe))
+        keys = ("loss", "argmax", *EXIT_TESTS)
+        traced = trace_windows(model, wins.to(C.device), r_max, C.batch_size, keys, states_as=("probe", probe))
     # 3) every policy read off it, compared with uniform depth, reported; then saved, window by window
-    tests = {"A1": EXIT_TESTS["kl"], "A1s": EXIT_TESTS["state"], "A2": probe_exit_test(probe)}
+    tests = EXIT_TESTS | {"probe": probe_exit_test(probe)}
     per_window = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
            "windows": C.windows, "probe": probe_accuracy(traced)}
     res |= summarize(per_window, C, mean)
-    res["token_classes"] = token_classes(traced, per_window, grids, res["bar"], wins[:, :-1], decode)
+    res["exits"] = {test.policy: name for name, test in tests.items()}
+    # each exit test's operating point: the threshold sample.py --exit runs for this checkpoint
+    res["operating_thresholds"] = {}
+    for name, test in EXIT_TESTS.items():
+        res["operating_thresholds"][name] = operating_threshold(per_window, test.policy, grids[name], res["bar"])
+    res["token_classes"] = token_classes(traced, res["operating_thresholds"]["kl"], wins[:, :-1], decode)
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds
-    res["settings"] = {"A0": list(range(1, r_max + 1))} | grids
+    res["settings"] = {"A0": list(range(1, r_max + 1))}
+    for name, grid in grids.items():
+        res["settings"][tests[name].policy] = grid
     res["per_window"] = {f"{policy} {measure}": array.tolist() for (policy, measure), array in per_window.items()}
     save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
     print(f"\nwrote {C.out_dir}/allocate.json in {time.perf_counter() - started:.0f}s")

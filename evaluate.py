@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from configurator import UserError, configure, run
-from model import (DEVICES, autocast, checkpoint_id, clock, load_checkpoint, save_atomic, state_change, token_kl,
+from model import (DEVICES, EXIT_TESTS, autocast, checkpoint_id, clock, load_checkpoint, save_atomic, state_change,
                    token_loss)
 from prepare import bits_per_byte, open_dataset
 
@@ -60,14 +60,13 @@ def load_windows(path, bin_dtype, n, length, seed):
 
 @torch.no_grad()
 def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
-    """x, y (B, T) -> per loop, each (n_loops, B, T): loss, kl = KL(p_i || p_{i-1}) (loop 1: inf),
-    dstate = ||s_i - s_{i-1}||, dstate_rel (over ||s_i||), argmax, and state = s_i if kept."""
+    """x, y (B, T) -> per loop, each (n_loops, B, T): loss, the score of every exit test in EXIT_TESTS under its
+    name (loop 1: inf, nothing to compare with), dstate = ||s_i - s_{i-1}||, argmax, and states = s_i if kept."""
     # one pass with a readout after every loop: the loss at every depth and every exit score
     # for the cost of the deepest (plus its readouts)
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
-    # no readout before loop 1: the first loop's KL is inf (never "converged")
-    logits = None
+    logits = None  # no readout before loop 1
     out = defaultdict(list)
     for _ in range(n_loops):
         s_old = s
@@ -75,15 +74,15 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
         previous = logits
         logits = model.readout(s)
         out["loss"].append(token_loss(logits, y))
-        if previous is None:  # loop 1 has nothing to compare with: never "converged"
-            out["kl"].append(torch.full_like(y, math.inf, dtype=torch.float))
-        else:  # the new distribution first, as the exit test reads it
-            out["kl"].append(token_kl(logits, previous))
+        for name, test in EXIT_TESTS.items():
+            if previous is None:  # loop 1 has no earlier readout to compare with: never "converged"
+                out[name].append(torch.full_like(y, math.inf, dtype=torch.float))
+            else:
+                out[name].append(test.score(s, s_old, logits, previous).float())
         out["dstate"].append(state_change(s, s_old))
-        out["dstate_rel"].append(state_change(s, s_old, relative=True))
         out["argmax"].append(logits.argmax(-1))
         if keep_states:
-            out["state"].append(s)
+            out["states"].append(s)
     return {key: torch.stack(values) for key, values in out.items()}
 
 
@@ -98,7 +97,7 @@ def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", gen
             parts[key].append(traced[key].cpu())
         if states_as:
             name, fn = states_as
-            parts[name].append(fn(traced["state"]).cpu())
+            parts[name].append(fn(traced["states"]).cpu())
     return {key: torch.cat(values, 1) for key, values in parts.items()}
 
 
@@ -193,13 +192,6 @@ def convergence_depth(kl):
     return torch.where(last_moving == n_loops, n_loops + 1, last_moving.clamp_min(1))
 
 
-def exit_depth(kl, threshold):
-    """kl (loops 2..n, ...) -> (...) the first loop with KL < threshold, else n (a forced exit)."""
-    below = kl < threshold
-    first_below = below.int().argmax(0) + 2  # argmax finds the first True
-    return torch.where(below.any(0), first_below, kl.size(0) + 1)
-
-
 def convergence(kl, dstate, loss, mean):
     """kl, dstate, loss (loops 2..n, tokens) -> a row per loop of the means over the tokens of the KL,
     the state change, the loss and the % still moving; the median convergence depth, the % at mean_loops."""
@@ -255,6 +247,7 @@ def main(argv=()):
     generator = torch.Generator(device=C.device).manual_seed(C.seed)
     with autocast(C.device, C.dtype):
         n_loops = max(*swept, n_diag)
+        # "kl", KL(p_i || p_{i-1}), is the kl exit test's score: the convergence table's measure too
         traced = trace_windows(model, wins, n_loops, C.batch_size, ("loss", "kl", "dstate"), "noise", generator)
     # 3) the sweep: the loss at each swept r, and its speed
     speed = {r: tokens_per_second(model, wins, r, C) for r in swept}

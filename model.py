@@ -263,9 +263,13 @@ class GPT(nn.Module):
         return self.core(e, s, *self.rope(s.size(1), cache), cache)
 
     def readout(self, s, cache=None):
-        """State (B, T, d) -> logits (B, T, vocab): coda, final norm, tied head."""
-        x = self.coda_blocks(s, *self.rope(s.size(1), cache), cache)
-        return self.lm_head(self.norm(x))
+        """State (B, T, d) -> logits (B, T, vocab): the coda, then the tied head."""
+        return self.lm_head(self.coda(s, cache))
+
+    def coda(self, s, cache=None):
+        """State (B, T, d) -> what the head reads (B, T, d): the coda's blocks and the final norm. The training
+        loss applies the head itself (forward), so that training and inference share this path."""
+        return self.norm(self.coda_blocks(s, *self.rope(s.size(1), cache), cache))
 
     def new_cache(self, n_layers, batch):
         """An empty KVCache for n_layers blocks, in the dtype attention computes in."""
@@ -288,7 +292,7 @@ class GPT(nn.Module):
             return self.readout(s), None
         # The readout without its head: the loss applies the head a few rows at a time, in float32 under any
         # autocast, so that no (B, T, vocab) logits are kept for backward (about 12 bytes a logit if they were)
-        normed = self.norm(self.coda_blocks(s, *self.rope(s.size(1)))).float()
+        normed = self.coda(s).float()
         chunks = torch.nn.LinearCrossEntropyOptions()  # torch's choice of rows per chunk for this device
         return None, F.linear_cross_entropy(normed.flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                             ignore_index=-1, options=chunks)
@@ -313,12 +317,12 @@ class GPT(nn.Module):
 
     def inference_flops(self, loops, T, exit_test=None):
         """Forward FLOPs per token of `loops` loops (a number or an array of averages): uniform
-        depth, or with an ExitTest its readouts (KL: one per loop) and tests (from loop 2)."""
+        depth, or with an ExitTest its readouts (KL: one per loop) and tests (from MIN_EXIT_LOOP)."""
         prelude, loop, readout = self.flop_terms(T)
         if exit_test is None:
             return prelude + loops * loop + readout
         readouts = loops if exit_test.needs_logits else 1
-        tests = loops - 1  # no test after loop 1: there is nothing to compare it with
+        tests = loops - (MIN_EXIT_LOOP - 1)  # a test after each loop from MIN_EXIT_LOOP
         return prelude + loops * loop + readouts * readout + tests * exit_test.flops(self.config)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -365,11 +369,15 @@ def state_change(s_new, s_old, relative=False):
     return delta / s_new.float().norm(dim=-1).clamp_min(1e-12)
 
 
-# ---- exit tests: after each loop from MIN_EXIT_LOOP, a token stops once its score is below a threshold
+# ---- exit tests, in one registry: sample.py's --exit, evaluate.trace's scores, allocate.py's policies and the
+# FLOP ledger all read EXIT_TESTS, so a new test is one entry there. After each loop from MIN_EXIT_LOOP,
+# a token stops once its score is below a threshold (keeps_looping).
 class ExitTest(NamedTuple):
     score: Callable  # (s_new, s_old, logits_new, logits_old) -> a score per token
     flops: Callable  # config -> FLOPs per token of one test
     needs_logits: bool  # a readout at every loop, carried to the next (the KL exit)
+    threshold: float = 1e-3  # sample.py's, unless allocate.py calibrated one for the checkpoint
+    policy: str = ""  # its name in allocate.py's tables (the paper's A1, A1s)
 
 
 def kl_score(s_new, s_old, logits_new, logits_old):
@@ -378,6 +386,15 @@ def kl_score(s_new, s_old, logits_new, logits_old):
 
 def state_score(s_new, s_old, logits_new, logits_old):
     return state_change(s_new, s_old, relative=True)  # A1s: ||s_i - s_{i-1}|| / ||s_i||, no readout
+
+
+EXIT_TESTS = {
+    # per vocabulary entry: two log-softmaxes (4 each: max, exp, sum, log), an exp, a difference, a product, a sum
+    "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True, threshold=1e-3, policy="A1"),
+    # per state channel: a difference and two norms (2 each: a square and a sum)
+    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, needs_logits=False, threshold=0.05,
+                      policy="A1s"),
+}
 
 
 class DepthPolicy(NamedTuple):
@@ -391,12 +408,24 @@ def uniform_depth(loops):
     return DepthPolicy(None, 0.0, loops)
 
 
-EXIT_TESTS = {
-    # per vocabulary entry: two log-softmaxes (4 each: max, exp, sum, log), an exp, a difference, a product, a sum
-    "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True),
-    # per state channel: a difference and two norms (2 each: a square and a sum)
-    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, needs_logits=False),
-}
+def keeps_looping(loops, score, depth):
+    """The stop rule, written once (sample.py's decode loop, exit_depth): after a token's loop number `loops`,
+    whose exit score is `score` (tensors alike), does it loop again? Never past depth.r_max; with an exit test,
+    always to MIN_EXIT_LOOP (a test compares two loops), then while its score is at least the threshold."""
+    go_on = loops < depth.r_max
+    if depth.test is not None:
+        go_on = go_on & ((loops < MIN_EXIT_LOOP) | (score >= depth.threshold))
+    return go_on
+
+
+def exit_depth(scores, depth):
+    """A trace's exit scores (n_loops, ...), row i after loop i + 1, -> (...) the loops each token runs under
+    depth (a DepthPolicy with r_max <= n_loops): the first loop after which keeps_looping says stop."""
+    if depth.r_max > len(scores):
+        raise ValueError(f"r_max {depth.r_max} is deeper than the {len(scores)} loops traced")
+    loops = torch.arange(1, len(scores) + 1, device=scores.device).view(-1, *[1] * (scores.dim() - 1))
+    stops = ~keeps_looping(loops, scores, depth).expand_as(scores)  # (uniform depth reads the loops alone)
+    return stops.int().argmax(0) + 1  # argmax finds the first True (at r_max at the latest)
 
 
 # ---- devices and precision: every --device this machine has (each script's RULES refuse others)

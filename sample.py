@@ -8,6 +8,8 @@ computes every row, and a row that has stopped keeps what it had (masked, not ga
 waits for the host). Past block_size the context keeps its last half, prefilled again at --loops.
 With one sample the text is printed as it is chosen; with several, each whole at the end.
 """
+import json
+import os
 import sys
 from math import inf
 
@@ -15,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from configurator import UserError, configure, run
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, clock, load_checkpoint,
-                   uniform_depth)
+from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, checkpoint_id, clock,
+                   keeps_looping, load_checkpoint, uniform_depth)
 from prepare import load_tokenizer, open_dataset
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
@@ -27,15 +29,28 @@ temperature = 0.8  # below 1e-6: greedy (argmax)
 top_k = 200  # sample among the k likeliest tokens; 0: all
 seed = 1337  # sequence i draws with seed + i
 loops = 0  # loops per token at fixed depth, and the prompt's with an exit; 0: mean_loops
-exit = "none"  # per-token exit: 'kl' (output distribution settles), 'state' (state settles) or 'none'
-exit_threshold = 1e-3  # a token stops once its exit score is below this (from loop 2)
+exit = "none"  # per-token exit: a test of model.EXIT_TESTS, 'kl' (output settles) or 'state' (state settles)
+exit_threshold = -1.0  # a token stops once its exit score is below this; -1: allocate.py's, or the test's own
 r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_loops
 state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
 compile = torch.cuda.is_available()  # torch.compile the decode loop (on CUDA a CUDA graph: one launch a loop)
-RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit=("none", "kl", "state"),
+RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit_threshold=(-1, inf),
              state_init=("zero", "noise"), dtype=("float32", "bfloat16"), device=DEVICES)
+
+
+def exit_threshold_for(exit, out_dir, ckpt):
+    """-> (the threshold of exit test `exit`, where it comes from): the one allocate.py calibrated for this
+    checkpoint (its operating point, in out_dir/allocate.json), else the test's own default."""
+    path = f"{out_dir}/allocate.json"
+    if os.path.isfile(path):
+        with open(path) as f:
+            calibrated = json.load(f)
+        thresholds = calibrated.get("operating_thresholds", {})
+        if calibrated.get("checkpoint") == checkpoint_id(ckpt) and exit in thresholds:
+            return thresholds[exit], f"calibrated for this checkpoint by allocate.py in {path}"
+    return EXIT_TESTS[exit].threshold, "the exit test's default (no allocate.json for this checkpoint)"
 
 
 def initial_states(model, n_seqs, length, mode, seed, device):
@@ -78,11 +93,10 @@ def decode_loop(model, caches, e, s, logits, looping, loops, pos, depth):
     logits_new = None
     if depth.test is not None and depth.test.needs_logits:
         logits_new = model.readout(s_new, CacheView(caches["coda"], pos, active)).float()
-    # r_max bounds every row: uniform depth is the case of a test that never fires
-    go_on = loops < depth.r_max
-    if depth.test is not None:  # from MIN_EXIT_LOOP a row goes on while its score is at least the threshold
+    score = None  # uniform depth: the stop rule reads loops alone
+    if depth.test is not None:
         score = depth.test.score(s_new, s, logits_new, logits)[:, 0]
-        go_on &= (loops < MIN_EXIT_LOOP) | (score >= depth.threshold)
+    go_on = keeps_looping(loops, score, depth)
     # written in place: the buffers keep their addresses, which a CUDA graph's replays read and write
     s.copy_(torch.where(active[:, None, None], s_new, s))
     if logits_new is not None:
@@ -184,10 +198,16 @@ def main(argv=()):
     prompt_loops = C.loops or model.config.mean_loops
     depth = uniform_depth(prompt_loops)
     if C.exit != "none":
+        if C.exit not in EXIT_TESTS:  # not in RULES: a test registered in model.py is a choice at once
+            raise UserError(f"--exit must be none or one of {', '.join(EXIT_TESTS)}, got {C.exit!r}")
         r_max = C.r_max or model.config.max_loops
         if r_max < MIN_EXIT_LOOP:  # an exit compares two loops
             raise UserError(f"--r_max={r_max}: an exit needs r_max >= {MIN_EXIT_LOOP}")
-        depth = DepthPolicy(EXIT_TESTS[C.exit], C.exit_threshold, r_max)
+        threshold, source = C.exit_threshold, "--exit_threshold"
+        if threshold < 0:
+            threshold, source = exit_threshold_for(C.exit, C.out_dir, ckpt)
+        print(f"--exit={C.exit} at threshold {threshold:.3g}: {source}", file=sys.stderr)
+        depth = DepthPolicy(EXIT_TESTS[C.exit], threshold, r_max)
     if C.exit != "none" and C.state_init != "zero":  # the thresholds would be used under another start
         print("warning: allocate.py calibrates the exits' thresholds from a zero state, not noise", file=sys.stderr)
     n = C.num_samples

@@ -24,9 +24,9 @@ MUTANTS = {
     "kl: token_kl's direction reversed": (
         "model.py", "return (log_p.exp() * (log_p - log_q)).sum(-1)",
         "return (log_q.exp() * (log_q - log_p)).sum(-1)", "tests/test_model.py"),
-    "kl: the trace's KL reversed": (
-        "evaluate.py", 'out["kl"].append(token_kl(logits, previous))',
-        'out["kl"].append(token_kl(previous, logits))', "tests/test_evaluate.py"),
+    "kl: the trace's exit scores given the two readouts the wrong way round": (
+        "evaluate.py", "out[name].append(test.score(s, s_old, logits, previous).float())",
+        "out[name].append(test.score(s, s_old, previous, logits).float())", "tests/test_evaluate.py"),
     "trace: argmax of the previous loop": (
         "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
         'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
@@ -53,8 +53,8 @@ MUTANTS = {
         "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i + 2:] != argmax[i]).any(0)",
         "tests/test_allocate.py -k label"),
     "exits: a token may stop after loop 1": (
-        "allocate.py", "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 1:]",
-        "scores = traced[SCORES[policy]][MIN_EXIT_LOOP - 2:]", "tests/test_allocate.py"),
+        "model.py", "go_on = go_on & ((loops < MIN_EXIT_LOOP) | (score >= depth.threshold))",
+        "go_on = go_on & ((loops < MIN_EXIT_LOOP - 1) | (score >= depth.threshold))", "tests/test_allocate.py"),
     "FLOPs: the KL exit's cost counted without its exp and sum": (
         "model.py", "lambda config: 12 * config.vocab_size", "lambda config: 10 * config.vocab_size",
         "tests/test_allocate.py -k exit_test_costs"),
@@ -62,8 +62,8 @@ MUTANTS = {
         "evaluate.py", "depths = [r for r in swept if r <= 4 * mean]", "depths = list(swept)",
         "tests/test_evaluate.py -k saturation"),
     "token classes: each exit counted for the token it predicts": (
-        "allocate.py", "res[\"token_classes\"] = token_classes(traced, per_window, grids, res[\"bar\"], wins[:, :-1], decode)",
-        "res[\"token_classes\"] = token_classes(traced, per_window, grids, res[\"bar\"], wins[:, 1:], decode)",
+        "allocate.py", "token_classes(traced, res[\"operating_thresholds\"][\"kl\"], wins[:, :-1], decode)",
+        "token_classes(traced, res[\"operating_thresholds\"][\"kl\"], wins[:, 1:], decode)",
         "tests/test_allocate.py -k main"),
     "loop sampler: no clamp at max_loops": (
         "train.py", "log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))",

@@ -18,6 +18,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import allocate
 import configurator
 import evaluate
+import model as model_lib
+import sample
 import train
 from configurator import UserError
 from evaluate import load_windows, paired_bootstrap
@@ -25,6 +27,7 @@ from prepare import load_tokenizer
 from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
 R_MAX = 8  # the tiny model's max_loops
+SCORES = {"A1": "kl", "A1s": "state", "A2": "probe"}  # each policy's exit test, its scores' key in the trace
 
 
 @torch.no_grad()
@@ -176,8 +179,7 @@ def test_policies_are_read_off_a_hand_made_trace(trained):
     kl = torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[0.5, 0.2], [0.05, 0.9]],
                        [[0.05, 0.3], [0.01, 0.9]], [[0.01, 0.01], [0.0, 0.9]]])  # loop 1's is never read
     traced = {"loss": loss, "kl": kl}
-    tests = {"A1": EXIT_TESTS["kl"]}
-    per_window = allocate.read_policies(model, traced, tests, {"A1": [0.1]})
+    per_window = allocate.read_policies(model, traced, {"kl": EXIT_TESTS["kl"]}, {"kl": [0.1]})
     # window 0: tokens stop after loops 3 and 4; window 1: after loops 2 and 4 (never below: r_max)
     assert per_window["A1", "loops"].tolist() == [[3.5, 3.0]]
     assert per_window["A1", "loss"].tolist() == [[(2.0 + 1.0) / 2, (2.0 + 2.0) / 2]]
@@ -188,16 +190,17 @@ def test_policies_are_read_off_a_hand_made_trace(trained):
 
 def trace_for_policies(model, wins, batch_size, probe=None):
     """The trace allocate.main reads the policies off (its probe's scores as "probe"), to R_MAX."""
-    states_as = ("state", torch.Tensor.float) if probe is None else ("probe", probe)
-    return evaluate.trace_windows(model, wins, R_MAX, batch_size, allocate.TRACED, states_as=states_as)
+    states_as = ("states", torch.Tensor.float) if probe is None else ("probe", probe)
+    keys = ("loss", "argmax", *EXIT_TESTS)
+    return evaluate.trace_windows(model, wins, R_MAX, batch_size, keys, states_as=states_as)
 
 
 def harness_and_reading(model, X, Y, name, threshold, probe=None):
     """The masking harness and allocate's reading of the trace, for one policy at one threshold."""
     wins = torch.cat([X, Y[:, -1:]], dim=1)
     traced = trace_for_policies(model, wins, 4, probe)
-    test = allocate.probe_exit_test(probe) if name == "A2" else EXIT_TESTS["kl" if name == "A1" else "state"]
-    per_window = allocate.read_policies(model, traced, {name: test}, {name: [threshold]})
+    test = allocate.probe_exit_test(probe) if name == "A2" else EXIT_TESTS[SCORES[name]]
+    per_window = allocate.read_policies(model, traced, {SCORES[name]: test}, {SCORES[name]: [threshold]})
     masked = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
     return per_window, masked, traced
 
@@ -217,7 +220,7 @@ def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
     _, model, X, Y = trained
     test = EXIT_TESTS["kl" if name == "A1" else "state"]
     traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8)
-    threshold = traced[allocate.SCORES[name]][2].median().item()  # about half stop by loop 3
+    threshold = traced[SCORES[name]][2].median().item()  # about half stop by loop 3
     short_loss, short_loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, 4))
     loss, loops = masked_exit(model, X, Y, DepthPolicy(test, threshold, R_MAX))
     stopped = short_loops < 4  # stopped before the short run's last loop
@@ -238,7 +241,7 @@ def test_the_reading_matches_the_masking_harness(trained, name):
     def probe(s):  # any function of the state
         return torch.sigmoid(s[..., 0].float() * 3)
     traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8, probe)
-    threshold = traced[allocate.SCORES[name]][2].median().item()
+    threshold = traced[SCORES[name]][2].median().item()
     per_window, (masked_loss, masked_loops), _ = harness_and_reading(model, X, Y, name, threshold, probe)
     assert 2.5 < masked_loops.float().mean() < R_MAX - 0.5  # the exits really differ
     tolerance = 0.002 if name == "A2" else 0.001
@@ -250,7 +253,7 @@ def test_the_trace_runs_under_bf16_autocast_with_float32_scores(trained):
     _, model, X, Y = trained
     with autocast("cpu", "bfloat16"):
         traced = trace_for_policies(model, torch.cat([X, Y[:, -1:]], 1), 8)
-    assert traced["loss"].dtype == traced["kl"].dtype == traced["dstate_rel"].dtype == torch.float32
+    assert traced["loss"].dtype == traced["kl"].dtype == traced["state"].dtype == torch.float32
     assert torch.isfinite(traced["loss"]).all() and (traced["kl"][1:] >= 0).all()
 
 
@@ -334,15 +337,17 @@ def test_token_classes_at_the_operating_threshold_by_input_token():
 
     def decode(ids):
         return "".join(names[i] for i in ids)
-    res = allocate.token_classes({"kl": kl}, per_window, grids, 3.2, inputs, decode)
-    assert res["threshold"] == 0.1  # 0.1 and 0.01 reach 3.2: the largest
+    threshold = allocate.operating_threshold(per_window, "A1", grids["A1"], 3.2)
+    assert threshold == 0.1  # 0.1 and 0.01 reach 3.2: the largest
+    res = allocate.token_classes({"kl": kl}, threshold, inputs, decode)
+    assert res["threshold"] == 0.1
     # at 0.1 the tokens stop after loops 2, 3, 4, 2, 4 (the last never below: r_max)
     depth = {row["class"]: row.get("mean_exit_depth") for row in res["rows"]}
     count = {row["class"]: row["count"] for row in res["rows"]}
     assert depth == {"space": 3.0, "numeral": 2.0, "punctuation": 4.0, "word": (2 + 4) / 2, "all": 15 / 5}
     assert count == {"space": 1, "numeral": 1, "punctuation": 1, "word": 2, "all": 5}
-    assert allocate.token_classes({"kl": kl}, per_window, grids, 2.0, inputs, decode)["threshold"] == 0.01
-    res = allocate.token_classes({"kl": kl}, per_window, grids, 3.2, torch.tensor([[3, 3, 3, 4, 4]]), decode)
+    assert allocate.operating_threshold(per_window, "A1", grids["A1"], 2.0) == 0.01  # none reaches: the smallest
+    res = allocate.token_classes({"kl": kl}, threshold, torch.tensor([[3, 3, 3, 4, 4]]), decode)
     assert [row["count"] for row in res["rows"]] == [0, 0, 0, 5, 5] and "mean_exit_depth" not in res["rows"][0]
 
 
@@ -371,7 +376,9 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     assert per_window["A1 flops"][0] == pytest.approx(kl_flops)
     assert len(saved["per_window"]["A1 loss"]) == 12 and len(saved["per_window"]["A1 loss"][0]) == 6
     classes = saved["token_classes"]
-    assert classes["threshold"] in saved["settings"]["A1"]
+    assert classes["threshold"] == saved["operating_thresholds"]["kl"] and classes["threshold"] in saved["settings"]["A1"]
+    assert saved["operating_thresholds"]["state"] in saved["settings"]["A1s"]
+    assert saved["exits"] == {"A1": "kl", "A1s": "state", "A2": "probe"}
     assert [row["class"] for row in classes["rows"]] == [*allocate.CLASSES, "all"]
     _, decode = load_tokenizer(str(root / "data/tiny"))
     inputs = load_windows(str(root / "data/tiny/val.bin"), "uint16", 6, 33, 1337)[:, :-1].flatten().tolist()
@@ -385,6 +392,32 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     for row in classes["rows"][:-1]:
         picked = [d for d, name in zip(depth, by_input) if name == row["class"]]
         assert row.get("mean_exit_depth") == (pytest.approx(np.mean(picked)) if picked else None)
+
+
+def top1_score(s_new, s_old, logits_new, logits_old):
+    """A third exit test: the change in the top-1 probability between two loops."""
+    top1 = torch.softmax(logits_new.float(), -1).amax(-1)
+    return (top1 - torch.softmax(logits_old.float(), -1).amax(-1)).abs()
+
+
+def test_a_third_exit_test_registered_in_one_place_runs_through_every_script(trained, monkeypatch, capsys):
+    """One entry in model.EXIT_TESTS, no other edit: evaluate.trace records its scores, allocate.py reads its
+    policy off them (table, intervals, operating threshold) and sample.py --exit runs it at that threshold."""
+    root, model, X, Y = trained
+    top1 = model_lib.ExitTest(top1_score, lambda config: 4 * config.vocab_size, needs_logits=True,
+                              threshold=0.01, policy="A1p")
+    monkeypatch.setitem(model_lib.EXIT_TESTS, "top1", top1)
+    traced = evaluate.trace(model, X, Y, 3)
+    assert torch.isinf(traced["top1"][0]).all() and (traced["top1"][1:] >= 0).all()
+    monkeypatch.chdir(root)
+    res = allocate.main(["--out_dir=out", "--windows=6", "--train_windows=2", "--batch_size=4", "--n_grid=12",
+                         "--bootstrap=50"])
+    assert res["exits"]["A1p"] == "top1" and "A1p" in res["at_bar"] and "A1p" in res["table"][0]
+    assert "A1p (top1) - A0" in capsys.readouterr().out
+    threshold = res["operating_thresholds"]["top1"]
+    assert threshold in res["settings"]["A1p"]
+    new_ids = sample.main(["--out_dir=out", "--start=The", "--exit=top1", "--max_new_tokens=4", "--num_samples=1"])
+    assert f"--exit=top1 at threshold {threshold:.3g}: calibrated" in capsys.readouterr().err and new_ids
 
 
 def one_line_error(capsys, *args):

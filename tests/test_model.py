@@ -9,8 +9,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import model as model_lib
 from configurator import UserError
-from model import (CKPT_FORMAT, EXIT_TESTS, GPT, CacheView, GPTConfig, autocast, checkpoint_id, load_checkpoint,
-                   state_change, token_kl)
+from model import (CKPT_FORMAT, EXIT_TESTS, GPT, CacheView, DepthPolicy, GPTConfig, autocast, checkpoint_id,
+                   exit_depth, load_checkpoint, state_change, token_kl, uniform_depth)
 
 TINY = dict(vocab_size=50, block_size=16, n_embd=32, n_head=4, n_kv_head=2, ffn_hidden=48,
             n_prelude=1, n_core=2, n_coda=1, mean_loops=3, max_loops=6, bptt_k=2)
@@ -183,6 +183,57 @@ def test_exit_scores():
     relative = (s_new - s_old).norm(dim=-1) / s_new.norm(dim=-1)
     torch.testing.assert_close(EXIT_TESTS["state"].score(s_new, s_old, None, None), relative)
     assert EXIT_TESTS["kl"].needs_logits and not EXIT_TESTS["state"].needs_logits
+
+
+# a trace's KL scores: rows are loops 1..5 (loop 1 has nothing to compare with), columns four tokens
+HAND_BUILT_SCORES = torch.tensor([[math.inf] * 4,
+                                  [1e-1, 1e-4, 1e-1, 1e-1],
+                                  [1e-4, 1e-4, 1e-2, 1e-1],
+                                  [1e-2, 1e-5, 1e-4, 1e-1],
+                                  [1e-5, 0.0, 1e-5, 1e-1]])
+
+
+def kl_exit(threshold, r_max=5):
+    return DepthPolicy(EXIT_TESTS["kl"], threshold, r_max)
+
+
+def test_the_stop_rule_on_hand_built_scores():
+    """The first loop from MIN_EXIT_LOOP (2) whose score is below the threshold, else r_max."""
+    assert exit_depth(HAND_BUILT_SCORES, kl_exit(1e-3)).tolist() == [3, 2, 4, 5]
+    assert exit_depth(HAND_BUILT_SCORES, kl_exit(1e-9)).tolist() == [5, 5, 5, 5]
+    assert exit_depth(HAND_BUILT_SCORES, kl_exit(1e-3, r_max=3)).tolist() == [3, 2, 3, 3]
+    assert exit_depth(HAND_BUILT_SCORES, uniform_depth(4)).tolist() == [4, 4, 4, 4]
+    by_window = exit_depth(HAND_BUILT_SCORES.view(5, 2, 2), kl_exit(1e-3))  # allocate's (loops, n, T)
+    assert by_window.tolist() == [[3, 2], [4, 5]]
+    with pytest.raises(ValueError):
+        exit_depth(HAND_BUILT_SCORES, kl_exit(1e-3, r_max=6))  # deeper than the trace
+
+
+def test_every_exit_depth_moves_with_min_exit_loop(monkeypatch):
+    """MIN_EXIT_LOOP is the one place that says when tests start: at 3, no token stops before loop 3, the
+    rest as before; and the FLOP ledger counts one test fewer. (sample.py's decode: test_sample.py.)"""
+    monkeypatch.setattr(model_lib, "MIN_EXIT_LOOP", 3)
+    assert exit_depth(HAND_BUILT_SCORES, kl_exit(1e-3)).tolist() == [3, 3, 4, 5]
+    model = tiny()
+    test = EXIT_TESTS["state"]
+    with_tests_from_3 = model.inference_flops(5, 16, test)
+    monkeypatch.setattr(model_lib, "MIN_EXIT_LOOP", 2)
+    assert model.inference_flops(5, 16, test) - with_tests_from_3 == test.flops(model.config)
+
+
+def test_the_training_loss_is_the_readouts_whatever_the_readout(monkeypatch):
+    """One coda path for training and inference: a change to it (here, a doubled output) changes the
+    training loss exactly as it changes the logits the readout gives."""
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 16))
+    targets = torch.randint(0, 50, (2, 16))
+    coda = GPT.coda
+    monkeypatch.setattr(GPT, "coda", lambda self, s, cache=None: 2 * coda(self, s, cache))
+    loss = model(idx, targets, loops=2, state_init="zero")[1]
+    logits = model(idx, loops=2, state_init="zero")[0]
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    monkeypatch.undo()
+    assert not torch.allclose(loss, model(idx, targets, loops=2, state_init="zero")[1])  # the change showed
 
 
 def test_bad_shapes_are_refused_naming_the_field():

@@ -5,6 +5,7 @@ uncached depth-wise recomputation implementing the documented K/V rule (a stoppe
 loops as it was at its last loop)."""
 import copy
 import json
+import os
 import random
 import re
 from functools import partial
@@ -618,7 +619,40 @@ def test_main_starts_from_zero_and_reports_loops(tiny, capsys, monkeypatch):
     assert "warning" not in run_main(capsys, "--num_samples=1", "--state_init=noise")[2]  # no exit: no thresholds
     _, _, err = run_main(capsys, *args, "--state_init=noise")
     assert inits == ["zero", "zero", "noise", "noise"]  # zero unless told: allocate.py calibrates from zero
-    assert err.startswith("warning: allocate.py calibrates the exits' thresholds from a zero state")
+    assert "\nwarning: allocate.py calibrates the exits' thresholds from a zero state" in err
+
+
+@pytest.mark.parametrize("exit", ["kl", "state"])
+def test_the_exit_threshold_is_allocates_for_this_checkpoint_else_the_tests_own(tiny, capsys, exit):
+    """Without --exit_threshold: the operating threshold allocate.py wrote for this very checkpoint, else the
+    exit test's default (its allocate.json from another checkpoint is not this one's); given, it is used."""
+    def threshold_line(*args):
+        err = run_main(capsys, f"--exit={exit}", "--max_new_tokens=3", *args)[2]
+        return re.search(rf"^--exit={exit} at threshold (\S+): (.*)$", err, re.M).groups()
+    assert threshold_line() == (f"{EXIT_TESTS[exit].threshold:.3g}", "the exit test's default (no allocate.json "
+                                                                     "for this checkpoint)")
+    ckpt = torch.load("out/ckpt.pt", weights_only=True)
+    calibrated = {"checkpoint": model_lib.checkpoint_id(ckpt), "operating_thresholds": {exit: 0.0123}}
+    try:
+        for checkpoint, expected in ((calibrated["checkpoint"], "0.0123"), ("another@40", None)):
+            with open("out/allocate.json", "w") as f:
+                json.dump(calibrated | {"checkpoint": checkpoint}, f)
+            threshold, source = threshold_line()
+            assert threshold == (expected or f"{EXIT_TESTS[exit].threshold:.3g}")
+            assert ("allocate.py" in source) == (expected is not None)
+        assert threshold_line("--exit_threshold=0.5") == ("0.5", "--exit_threshold")
+    finally:
+        os.remove("out/allocate.json")  # the module's checkpoint is shared by the tests after this one
+
+
+def test_every_decoded_depth_moves_with_min_exit_loop(tiny, monkeypatch):
+    """MIN_EXIT_LOOP = 3: a huge threshold stops every new token at loop 3, not 2."""
+    model, idx = tiny
+    s0 = sample.initial_states(model, 1, idx.size(1) + 10, "zero", 0, "cpu")
+    at_once = DepthPolicy(EXIT_TESTS["state"], 1e9, MAX_LOOPS)
+    monkeypatch.setattr(model_lib, "MIN_EXIT_LOOP", 3)
+    _, depths = generate_all(model, idx, 10, s0, GREEDY, uniform_depth(2), at_once)
+    assert (depths[:, 1:] == 3).all()
 
 
 def test_r_max_defaults_to_the_models_max_loops(tiny, capsys):
