@@ -5,29 +5,31 @@
     A1s  a token stops once its relative state change ||s_i - s_{i-1}|| / ||s_i|| < threshold
     A2   a token stops once a probe on s_i, fit on train windows, says its argmax will not change
 
+A1 and A1s are the exit tests of model.EXIT_TESTS: a test registered there is a policy here too.
+
 Every policy is read off one trace of the windows to r_max from a zero state (evaluate.trace: each
 token's loss and exit scores after every loop): a token stops after the first loop from 2 whose
 score is below the threshold, or at r_max, and scores the loss it had there. This reads each token
 as if alone: in a real run a stopped token would show the others its held state, not its next one
 (the paper's masking harness; README gives the measured difference). The policies are compared at
 matched average loops, and by the loops and FLOPs per token at which each reaches the bar (uniform
-depth at mean_loops), with paired bootstrap 95% intervals; then A1's mean exit depth by token class.
+depth at mean_loops), with paired bootstrap 95% intervals. Each exit test's operating threshold (the fewest
+loops that reach the bar) goes to allocate.json, where sample.py --exit finds it.
 
     python allocate.py --out_dir=out-shakespeare
 """
 import os
 import time
-import unicodedata
 from math import inf
 
 import numpy as np
 import torch
 
 from configurator import UserError, configure, run
-from evaluate import load_windows, markdown, paired_bootstrap, show, table, trace_windows
+from evaluate import load_windows, markdown, paired_bootstrap, show, trace_windows
 from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, ExitTest, autocast, checkpoint_id, exit_depth,
-                   load_checkpoint, save_atomic)
-from prepare import load_tokenizer, open_dataset
+                   save_atomic)
+from prepare import open_run
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
 windows = 128  # evaluation windows of block_size + 1 tokens from val.bin
@@ -42,7 +44,6 @@ dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small K
 RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
              bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"), device=DEVICES)
 TABLE_ROWS = [f / 8 for f in range(3, 8)]  # the matched table's rows, in units of mean_loops
-CLASSES = ("space", "numeral", "punctuation", "word")
 
 
 # ---- A2: the oracle-labelled router
@@ -222,38 +223,6 @@ def summarize(per_window, C, mean):
     return res
 
 
-# ---- which tokens run deep
-def token_class(text):
-    """One of CLASSES for a token: ' (' (a space carried) is punctuation, a partial character (U+FFFD) a word."""
-    if text.isspace():
-        return "space"
-    if any(ch.isdigit() for ch in text):
-        return "numeral"
-    kinds = {unicodedata.category(ch)[0] for ch in text.strip()}
-    if kinds and "\ufffd" not in text and kinds <= {"P", "S"}:
-        return "punctuation"
-    return "word"
-
-
-def token_classes(traced, threshold, inputs, decode):
-    """The paper's "mean exit depth" by token class, read as A1's at its operating threshold, by the class
-    of the token at its position (the one that exits). traced["kl"] (r_max, n, T), inputs (n, T)."""
-    # Not the first loop with KL < 1e-3 (evaluate.py's "still moving" line): at S1, 96% of tokens still
-    # move at loop 4, so the paper's 3.58-4.25 loops are most likely an exit's at a looser threshold.
-    scores = traced["kl"]
-    exits = exit_depth(scores, DepthPolicy(EXIT_TESTS["kl"], threshold, len(scores))).flatten().numpy()
-    classes = np.array([token_class(decode([i])) for i in inputs.flatten().tolist()])
-    rows = []
-    for name in CLASSES:
-        picked = exits[classes == name]
-        row = {"class": name, "count": picked.size}
-        if picked.size:  # a class these windows lack has no mean
-            row["mean_exit_depth"] = picked.mean()
-        rows.append(row)
-    rows.append({"class": "all", "count": exits.size, "mean_exit_depth": exits.mean()})
-    return {"threshold": threshold, "rows": rows}
-
-
 # ---- the report
 def print_report(res):
     print(f"\n## Allocation against uniform depth: {res['windows']} windows, r_max {res['r_max']}; the bar is "
@@ -276,16 +245,14 @@ def print_report(res):
     print(markdown(headers, rows))
     probe = res["probe"]
     print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
-    classes = res["token_classes"]
-    table(f"A1's exit depth by class of the exiting token, at its threshold {classes['threshold']:.3g}",
-          classes["rows"], "class:s count:d mean_exit_depth:.2f")
+    thresholds = ", ".join(f"{name} {value:.3g}" for name, value in res["operating_thresholds"].items())
+    print(f"Operating thresholds (the fewest loops that reach the bar; sample.py --exit runs them): {thresholds}")
 
 
 def main(argv=()):
     C, _ = configure(globals(), argv)
     # 1) the checkpoint, its data and the windows; every refusal before the work
-    ckpt_path = os.path.join(C.out_dir, "ckpt.pt")
-    model, ckpt = load_checkpoint(ckpt_path, C.device)
+    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device)
     if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
         raise UserError(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
@@ -293,12 +260,10 @@ def main(argv=()):
     # the bar is uniform depth at mean_loops, and an exit compares two loops: r_max must reach both
     if r_max < max(MIN_EXIT_LOOP, mean):
         raise UserError(f"--r_max={r_max}: needs at least {MIN_EXIT_LOOP} and mean_loops ({mean})")
-    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, ckpt_path)
-    _, decode = load_tokenizer(data_dir)  # before the work: A1's token classes need it
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
     train_wins = load_windows(f"{data_dir}/train.bin", meta["dtype"], C.train_windows, length, C.seed + 1)
-    print(f"{ckpt_path}: {checkpoint_id(ckpt)}; {C.device} {C.dtype}")
+    print(f"{C.out_dir}/ckpt.pt: {checkpoint_id(ckpt)}; {C.device} {C.dtype}")
     # 2) the probe and the grids from training windows; the trace of the evaluation windows
     started = time.perf_counter()
     with autocast(C.device, C.dtype):
@@ -317,7 +282,6 @@ def main(argv=()):
     res["operating_thresholds"] = {}
     for name, test in EXIT_TESTS.items():
         res["operating_thresholds"][name] = operating_threshold(per_window, test.policy, grids[name], res["bar"])
-    res["token_classes"] = token_classes(traced, res["operating_thresholds"]["kl"], wins[:, :-1], decode)
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds
     res["settings"] = {"A0": list(range(1, r_max + 1))}

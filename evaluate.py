@@ -1,7 +1,8 @@
 """A checkpoint on its validation split: how its loss and its tokens depend on the depth.
 
 One pass over the windows, loop by loop from training's initial noise (`trace`), gives the sweep (the loss at
-each loop count), the saturation depth and the convergence table; tokens/s at batch 1 are timed apart.
+each loop count, and each window's) and the convergence table. Built on it in studies/: the saturation depth,
+the speed at each depth, and the paper's figures.
 
     python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8  # every number: out_dir/eval.json
 """
@@ -15,22 +16,19 @@ import torch
 from tqdm import tqdm
 
 from configurator import UserError, configure, run
-from model import (DEVICES, EXIT_TESTS, autocast, checkpoint_id, clock, load_checkpoint, save_atomic, state_change,
-                   token_loss)
-from prepare import bits_per_byte, open_dataset
+from model import DEVICES, EXIT_TESTS, autocast, checkpoint_id, save_atomic, state_change, token_loss
+from prepare import bits_per_byte, open_run
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
 loops = ""  # the sweep, e.g. "1,2,4,8" (1 and mean_loops always in it); "": 1, 2, mean/2, mean, 2x, 4x mean
 windows = 64  # validation windows of block_size + 1 tokens
 batch_size = 8  # windows per forward
-timing_windows = 4  # batch-1 forwards timed per loop count
 seed = 1337  # picks the windows and the initial noise
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the KL tail (~1e-5), where it is read
-RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "timing_windows": (1, math.inf),
-         "seed": (0, 2 ** 63 - 1), "dtype": ("float32", "bfloat16"), "device": DEVICES}  # a seed torch.Generator takes
+RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "seed": (0, 2 ** 63 - 1),  # what torch.Generator takes
+         "dtype": ("float32", "bfloat16"), "device": DEVICES}
 MOVING_KL = 1e-3  # the paper's "still moving" line, fixed so that runs compare
-SATURATION_TOL = 0.002  # nats: the smallest loss gap the paper reports as an effect (fixed before issue 31's runs)
 
 
 def loop_counts(text, mean):
@@ -101,27 +99,15 @@ def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", gen
     return {key: torch.cat(values, 1) for key, values in parts.items()}
 
 
-@torch.no_grad()
-def tokens_per_second(model, wins, r, C):
-    """Forwards of one window at a time at r loops: the speed a single request sees."""
-    # timed apart from the pass, whose readout at every loop a plain forward does not pay
-    timed = wins[:C.timing_windows, :-1]
-    with autocast(C.device, C.dtype):
-        model(timed[:1], loops=r)  # a warm-up: allocations and kernel choices are not timed
-        started = clock(C.device)  # a GPU runs queued work: the clock waits for it
-        for x in timed:
-            model(x[None], loops=r)
-    return timed.numel() / (clock(C.device) - started)
-
-
-def sweep(losses, speed, meta):
-    """The elasticity sweep / cost curve: losses (loops, n, T) per token, speed {r: tokens/s} -> a row per r."""
-    loss_at = losses.double().mean((1, 2))  # in float64: a mean over every token of every window
+def sweep(losses, swept, meta):
+    """The elasticity sweep: losses (loops, n, T) per token -> a row per swept r: the loss (nats per token, and
+    bits per byte) and each window's, the unit a bootstrap resamples (studies/saturation.py)."""
+    window_losses = losses.double().mean(2)  # in float64: means over every token
     rows = []
-    for r, tokens_per_s in speed.items():
-        loss = loss_at[r - 1].item()
+    for r in swept:
+        loss = window_losses[r - 1].mean().item()
         bits = bits_per_byte(loss, meta)  # per byte, losses compare across tokenizers
-        rows.append({"loops": r, "loss": loss, "bits_per_byte": bits, "tokens_per_s": tokens_per_s})
+        rows.append({"loops": r, "loss": loss, "bits_per_byte": bits, "window_losses": window_losses[r - 1].tolist()})
     return rows
 
 
@@ -158,28 +144,6 @@ def show(estimate, spec="+.4f", scale=1):
         low, high = (format(v / scale, spec) for v in estimate["interval"])
         text += f" [{low}, {high}]"
     return text
-
-
-def saturation(losses, swept, mean):
-    """losses (loops, n, T) -> the saturation depth, the smallest swept r whose loss is within SATURATION_TOL
-    of the best swept depth's up to 4 x mean_loops, and the useful range, loss(1) - loss(saturation depth),
-    each with its 95% interval over paired resamples of the windows."""
-    # Issue 31's test of the paper's "a recursive model uses depth up to its training mean and no further".
-    # Past its best depth a curve is flat and noise picks the minimum: the tolerance keeps that noise out
-    # of the depth, and the interval says how far the windows move it (between swept depths: interpolated).
-    depths = [r for r in swept if r <= 4 * mean]  # swept always holds 1
-    at_depths = losses[[r - 1 for r in depths]]  # (depths, windows, T)
-    per_window = {"loss": at_depths.double().mean(2).numpy()}  # (depths, windows)
-
-    def depth_index(resampled):
-        loss = resampled["loss"].mean(1)
-        return int(np.argmax(loss <= loss.min() + SATURATION_TOL))  # argmax finds the first True
-
-    def useful_range(resampled):
-        loss = resampled["loss"].mean(1)
-        return loss[0] - loss[depth_index(resampled)]
-    return {"depth": paired_bootstrap(lambda resampled: depths[depth_index(resampled)], per_window, 1000, 0),
-            "useful_range": paired_bootstrap(useful_range, per_window, 1000, 0)}
 
 
 def convergence_depth(kl):
@@ -231,15 +195,13 @@ def main(argv=()):
     started = time.perf_counter()
     C, _ = configure(globals(), argv)
     # 1) the checkpoint and its windows; every refusal comes before the work
-    path = os.path.join(C.out_dir, "ckpt.pt")
-    model, ckpt = load_checkpoint(path, C.device)
+    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, splits=("val",))
     result = os.path.join(C.out_dir, "eval.json")
     if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
         raise UserError(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
     swept = loop_counts(C.loops, mean)
     n_diag = 2 * mean  # the convergence table's loops: the paper's reads to loop 16 at mean 8
-    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=("val",))
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed).to(C.device)
     # 2) one pass, as deep as the sweep and the convergence table both need
@@ -249,24 +211,19 @@ def main(argv=()):
         n_loops = max(*swept, n_diag)
         # "kl", KL(p_i || p_{i-1}), is the kl exit test's score: the convergence table's measure too
         traced = trace_windows(model, wins, n_loops, C.batch_size, ("loss", "kl", "dstate"), "noise", generator)
-    # 3) the sweep: the loss at each swept r, and its speed
-    speed = {r: tokens_per_second(model, wins, r, C) for r in swept}
-    el = sweep(traced["loss"], speed, meta)
-    columns = "loops:d loss:.4f bits_per_byte:.4f tokens_per_s:.0f"
-    table(f"Elasticity / cost curve of {checkpoint_id(ckpt)} (noise init, {len(wins)} windows)", el, columns)
-    # 4) the saturation depth: the first swept depth past which more loops buy less than SATURATION_TOL
-    sat = saturation(traced["loss"], swept, mean)
-    print(f"\nsaturation depth {show(sat['depth'], 'g')} (95% interval): the first swept r within {SATURATION_TOL} "
-          f"nats of the best r <= {4 * mean}; useful range {show(sat['useful_range'], '.4f')} nats, gained from r=1")
-    # 5) the convergence table, from loop 2 (loop 1 has no successive KL)
-    diag = {key: values[1:n_diag].flatten(1) for key, values in traced.items()}  # each (loops, windows x T)
-    cv = convergence(diag["kl"], diag["dstate"], diag["loss"], mean)
+    # 3) the sweep: the loss at each swept r
+    elasticity = sweep(traced["loss"], swept, meta)
+    title = f"Elasticity of {checkpoint_id(ckpt)} (noise init, {len(wins)} windows)"
+    table(title, elasticity, "loops:d loss:.4f bits_per_byte:.4f")
+    # 4) the convergence table, from loop 2 (loop 1 has no successive KL)
+    from_loop_2 = {key: values[1:n_diag].flatten(1) for key, values in traced.items()}  # each (loops, windows x T)
+    by_loop = convergence(from_loop_2["kl"], from_loop_2["dstate"], from_loop_2["loss"], mean)
     columns = "loop:d mean_kl:.1e mean_state_change:.3g percent_moving:.1f loss:.3f"
-    table(f"Convergence (a token moves while its KL > {MOVING_KL})", cv["rows"], columns)
-    print(f"\nmedian convergence depth (the loop after which a token stays still): {cv['median_depth']}")
-    # 6) every number above, in eval.json
+    table(f"Convergence (a token moves while its KL > {MOVING_KL})", by_loop["rows"], columns)
+    print(f"\nmedian convergence depth (the loop after which a token stays still): {by_loop['median_depth']}")
+    # 5) every number above, in eval.json
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "dataset": ckpt["config"]["dataset"], "mean_loops": mean,
-           "elasticity": el, "saturation": sat, "convergence": cv, "seconds": time.perf_counter() - started}
+           "elasticity": elasticity, "convergence": by_loop, "seconds": time.perf_counter() - started}
     save_atomic(result, res)
     print(f"\nwrote {result}")
     return res

@@ -119,13 +119,16 @@ def get_tokenizer(spec, train):
 
 def load_tokenizer(data_dir):
     """(encode(str) -> list[int], decode(list[int]) -> str) of a dataset: its tokenizer.json, offline."""
+    if not os.path.isfile(f"{data_dir}/tokenizer.json"):
+        raise UserError(f"{data_dir}/ has no tokenizer.json: run prepare.py for it")
     tok = Tokenizer.from_file(f"{data_dir}/tokenizer.json")
     encode = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
     return encode, lambda ids: tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
 def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
-    """(data_dir, meta) of data/<name>, checked: prepared, its tokenizer unchanged since, and ckpt's."""
+    """(data_dir, meta) of data/<name>, checked: prepared, its tokenizer unchanged since, and with a checkpoint
+    the very dataset it was trained on (a val split prepared again would silently change every loss)."""
     data_dir = f"data/{name}"
     for file in ["meta.json"] + [f"{split}.bin" for split in splits]:
         if not os.path.isfile(f"{data_dir}/{file}"):
@@ -135,12 +138,23 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
     sha = tok.is_file() and hashlib.sha256(tok.read_bytes()).hexdigest()
     if sha and meta.get("tokenizer_sha256", sha) != sha:
         raise UserError(f"{tok} changed since prepare.py: run it again")
-    if ckpt:
-        trained = ckpt["config"].get("dataset_meta", {}) | ckpt["model_args"]
-        for key in ("tokenizer_sha256", "vocab_size"):  # what both record: older checkpoints have no fingerprint
-            if key in meta and key in trained and meta[key] != trained[key]:
-                raise UserError(f"{data_dir} has {key} {meta[key]}, {ckpt_path} {trained[key]}: another tokenizer")
+    if ckpt:  # what the checkpoint recorded of its dataset: its provenance, its tokenizer, its splits' sizes
+        trained = ckpt["config"].get("dataset_meta", {}) | {"vocab_size": ckpt["model_args"]["vocab_size"]}
+        for key, value in trained.items():
+            if meta.get(key) != value:
+                raise UserError(f"{data_dir} is not the dataset {ckpt_path} was trained on: {key} is "
+                                f"{meta.get(key)}, was {value} (prepared again since?)")
     return data_dir, meta
+
+
+def open_run(out_dir, device, splits=("train", "val")):
+    """A training run's out_dir/ckpt.pt and its dataset, checked against each other -> (the model in eval mode
+    on device, the checkpoint dict, data_dir, meta): how evaluate, allocate, sample and the studies start."""
+    from model import load_checkpoint  # here, not at the top: preparing a corpus needs no torch
+    path = os.path.join(out_dir, "ckpt.pt")
+    model, ckpt = load_checkpoint(path, device)
+    data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits)
+    return model, ckpt, data_dir, meta
 
 
 def bits_per_byte(loss, meta):

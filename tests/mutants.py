@@ -59,12 +59,11 @@ MUTANTS = {
         "model.py", "lambda config: 12 * config.vocab_size", "lambda config: 10 * config.vocab_size",
         "tests/test_allocate.py -k exit_test_costs"),
     "saturation: the best depth read past 4 x mean_loops": (
-        "evaluate.py", "depths = [r for r in swept if r <= 4 * mean]", "depths = list(swept)",
-        "tests/test_evaluate.py -k saturation"),
+        "studies/saturation.py", "depths = [r for r in swept if r <= 4 * mean]", "depths = list(swept)",
+        "tests/test_studies.py -k saturation"),
     "token classes: each exit counted for the token it predicts": (
-        "allocate.py", "token_classes(traced, res[\"operating_thresholds\"][\"kl\"], wins[:, :-1], decode)",
-        "token_classes(traced, res[\"operating_thresholds\"][\"kl\"], wins[:, 1:], decode)",
-        "tests/test_allocate.py -k main"),
+        "studies/token_classes.py", "windows[:, :-1], decode)", "windows[:, 1:], decode)",
+        "tests/test_studies.py -k token_classes_of"),
     "loop sampler: no clamp at max_loops": (
         "train.py", "log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))",
         "log_r = math.log(mean_loops) + spread * z", "tests/test_train.py -k sampler"),

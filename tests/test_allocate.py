@@ -23,7 +23,6 @@ import sample
 import train
 from configurator import UserError
 from evaluate import load_windows, paired_bootstrap
-from prepare import load_tokenizer
 from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
 R_MAX = 8  # the tiny model's max_loops
@@ -314,43 +313,6 @@ def test_byte_tokenizer_reads_byte_ids():
     assert tok.decode([32]) == " " and tok.decode([0xc3]) == "\ufffd"
 
 
-def test_token_classes_on_hand_picked_tokens():
-    expected = {" ": "space", "\n\n": "space", "\t ": "space", "12": "numeral", " 1999": "numeral",
-                "3rd": "numeral", ",": "punctuation", " (": "punctuation", "...": "punctuation",
-                "$": "punctuation", "!?\n": "punctuation", " the": "word", "King": "word", "'s": "word",
-                "\xe9": "word", "\ufffd": "word", "": "word"}
-    assert {text: allocate.token_class(text) for text in expected} == expected
-
-
-def test_token_classes_at_the_operating_threshold_by_input_token():
-    """A1's exits at the largest threshold whose loss reaches the bar, each counted for the token at its
-    position; hand-made: 4 loops, one window of 5 tokens."""
-    inf = float("inf")
-    kl = torch.tensor([[inf] * 5,
-                       [0.05, 0.5, 0.5, 0.005, 0.5],   # loop 2
-                       [0.5, 0.05, 0.5, 0.5, 0.5],     # loop 3
-                       [0.5, 0.5, 0.05, 0.5, 0.5]])[:, None]  # loop 4 (r_max: the last token's forced exit)
-    grids = {"A1": [0.01, 0.1, 1.0]}
-    per_window = {("A1", "loss"): np.array([[3.0], [3.1], [3.5]])}  # the threshold's mean loss
-    names = {0: " ", 1: "7", 2: ",", 3: "cat", 4: "dog"}
-    inputs = torch.tensor([[4, 0, 3, 1, 2]])  # dog, space, cat, 7, comma
-
-    def decode(ids):
-        return "".join(names[i] for i in ids)
-    threshold = allocate.operating_threshold(per_window, "A1", grids["A1"], 3.2)
-    assert threshold == 0.1  # 0.1 and 0.01 reach 3.2: the largest
-    res = allocate.token_classes({"kl": kl}, threshold, inputs, decode)
-    assert res["threshold"] == 0.1
-    # at 0.1 the tokens stop after loops 2, 3, 4, 2, 4 (the last never below: r_max)
-    depth = {row["class"]: row.get("mean_exit_depth") for row in res["rows"]}
-    count = {row["class"]: row["count"] for row in res["rows"]}
-    assert depth == {"space": 3.0, "numeral": 2.0, "punctuation": 4.0, "word": (2 + 4) / 2, "all": 15 / 5}
-    assert count == {"space": 1, "numeral": 1, "punctuation": 1, "word": 2, "all": 5}
-    assert allocate.operating_threshold(per_window, "A1", grids["A1"], 2.0) == 0.01  # none reaches: the smallest
-    res = allocate.token_classes({"kl": kl}, threshold, torch.tensor([[3, 3, 3, 4, 4]]), decode)
-    assert [row["count"] for row in res["rows"]] == [0, 0, 0, 5, 5] and "mean_exit_depth" not in res["rows"][0]
-
-
 # ---- the command line -----------------------------------------------------------------------------
 def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypatch):
     root, model, *_ = trained
@@ -375,23 +337,9 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     kl_flops = model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + EXIT_TESTS["kl"].flops(model.config))
     assert per_window["A1 flops"][0] == pytest.approx(kl_flops)
     assert len(saved["per_window"]["A1 loss"]) == 12 and len(saved["per_window"]["A1 loss"][0]) == 6
-    classes = saved["token_classes"]
-    assert classes["threshold"] == saved["operating_thresholds"]["kl"] and classes["threshold"] in saved["settings"]["A1"]
+    assert saved["operating_thresholds"]["kl"] in saved["settings"]["A1"]
     assert saved["operating_thresholds"]["state"] in saved["settings"]["A1s"]
     assert saved["exits"] == {"A1": "kl", "A1s": "state", "A2": "probe"}
-    assert [row["class"] for row in classes["rows"]] == [*allocate.CLASSES, "all"]
-    _, decode = load_tokenizer(str(root / "data/tiny"))
-    inputs = load_windows(str(root / "data/tiny/val.bin"), "uint16", 6, 33, 1337)[:, :-1].flatten().tolist()
-    by_input = [allocate.token_class(decode([i])) for i in inputs]
-    assert [row["count"] for row in classes["rows"]] == [by_input.count(name) for name in allocate.CLASSES] + [6 * 32]
-    # each class's mean exit depth, from a trace of the same windows and A1's rule written out here
-    wins = load_windows(str(root / "data/tiny/val.bin"), "uint16", 6, 33, 1337)
-    kl = trace_for_policies(model, wins, 4)["kl"][1:]  # loops 2..R_MAX
-    below = kl < classes["threshold"]
-    depth = torch.where(below.any(0), below.int().argmax(0) + 2, R_MAX).flatten().tolist()
-    for row in classes["rows"][:-1]:
-        picked = [d for d, name in zip(depth, by_input) if name == row["class"]]
-        assert row.get("mean_exit_depth") == (pytest.approx(np.mean(picked)) if picked else None)
 
 
 def top1_score(s_new, s_old, logits_new, logits_old):
