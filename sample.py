@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from configurator import UserError, configure, run
 from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, checkpoint_id, clock,
-                   keeps_looping, load_checkpoint, uniform_depth)
-from prepare import load_tokenizer, open_dataset
+                   keeps_looping, uniform_depth)
+from prepare import load_tokenizer, open_run
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
 start = "\n"  # the prompt (a file's: --start="$(cat prompt.txt)")
@@ -186,9 +186,7 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
 
 def main(argv=()):
     C, _ = configure(globals(), argv)
-    path = f"{C.out_dir}/ckpt.pt"
-    model, ckpt = load_checkpoint(path, C.device)
-    data_dir, _ = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits=())  # its tokenizer only
+    model, ckpt, data_dir, _ = open_run(C.out_dir, C.device, splits=())  # its tokenizer only
     encode, decode = load_tokenizer(data_dir)
     ids = encode(C.start)
     # the prompt must survive the round trip: a tokenizer that drops what it cannot encode would
