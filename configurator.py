@@ -42,8 +42,10 @@ def check(key, value, default, rule):
     if type(value) is not type(default):
         raise UserError(f"--{key}: expected {type(default).__name__}, got {value!r}")
     if isinstance(value, str):
-        if not value.strip():
+        if not value:  # whitespace is a value (sample.py's prompt "\n")
             raise UserError(f"--{key} must not be empty")
+        if any("\ud800" <= ch <= "\udfff" for ch in value):  # how Python carries argv bytes that are not UTF-8
+            raise UserError(f"--{key} is not UTF-8 text (convert it, e.g. with iconv)")
         if rule is not None and value not in rule:
             raise UserError(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
     elif not isinstance(value, bool):
@@ -129,6 +131,8 @@ def run(main):
         # torch.OutOfMemoryError on a GPU; on a CPU the allocator's RuntimeError says so
         if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
             raise
+        fail("out of memory: try a smaller batch or model")
+    except MemoryError:  # numpy's or Python's own allocation failed
         fail("out of memory: try a smaller batch or model")
 
 

@@ -448,14 +448,19 @@ def clock(device):
 # ---- files
 def save_atomic(path, obj):
     """Write whole or not at all (synced, then renamed over path): .pt by torch.save, else JSON."""
-    with open(f"{path}.tmp", "wb") as f:
-        if path.endswith(".pt"):
-            torch.save(obj, f)
-        else:
-            f.write(json.dumps(obj, indent=2).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f"{path}.tmp", path)
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            if path.endswith(".pt"):
+                torch.save(obj, f)
+            else:
+                f.write(json.dumps(obj, indent=2).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:  # a write that failed or was interrupted leaves no partial file (a kill -9 still may)
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def checkpoint_id(ckpt):

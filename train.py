@@ -50,7 +50,7 @@ state_std = math.sqrt(2 / 5)  # std of the noise initial state
 loop_dist = "lognormal"  # 'lognormal' (randomized) or 'fixed' (mean_loops)
 # optimizer
 learning_rate = 2e-3  # peak learning rate
-max_iters = 400  # optimizer steps
+max_iters = 400  # optimizer steps (a resumed run: up to this step)
 lr_decay_iters = 0  # cosine decay length; 0: max_iters
 warmup_iters = -1  # linear warm-up steps; -1: 1% of lr_decay_iters
 min_lr = 2e-4  # learning rate at the end of the decay
@@ -71,9 +71,9 @@ RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed")
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
          "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1),  # seed * 1_000_003 + step must fit 64 bits
          "compile_backend": tuple(torch._dynamo.list_backends(exclude_tags=()))}
-RULES |= dict.fromkeys(["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
-                        "block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "n_core", "mean_loops", "max_loops",
-                        "bptt_k", "rope_theta"], (1, math.inf))  # n_prelude, n_coda and state_std may be 0
+RULES |= dict.fromkeys(["max_iters", "eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
+                        "batch_size", "block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "n_core",
+                        "mean_loops", "max_loops", "bptt_k", "rope_theta"], (1, math.inf))  # n_prelude, n_coda, state_std: 0
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
 
 
@@ -200,22 +200,26 @@ def main(argv=()):
     torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
     if "cuda" in device:  # float32 matmuls in TF32, as nanoGPT does (a setting of the whole process)
         torch.backends.cuda.matmul.allow_tf32 = True
-    # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces one unasked
+    # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces a checkpoint
+    # or a log unasked (a log without a checkpoint: a run that never saved, whose lines are still a user's)
     ckpt_path = f"{C.out_dir}/ckpt.pt"
+    metrics_path = f"{C.out_dir}/metrics.jsonl"
     ckpt = None
     saved = {}
     if C.init_from == "resume":
         model, ckpt = load_checkpoint(ckpt_path)  # on the CPU: the RNG states stay there, the model moves below
         saved = ckpt["model_args"] | {"dataset": ckpt["config"]["dataset"]}
-    elif os.path.exists(ckpt_path) and not C.overwrite_checkpoint:
-        raise UserError(f"{ckpt_path} exists: --init_from=resume, or --overwrite_checkpoint=True to replace it")
+        if C.max_iters <= ckpt["iter_num"]:
+            raise UserError(f"{ckpt_path} is at step {ckpt['iter_num']}: --max_iters={C.max_iters} trains nothing")
+    for path in (ckpt_path, metrics_path):
+        if not ckpt and os.path.exists(path) and not C.overwrite_checkpoint:
+            raise UserError(f"{path} exists: --init_from=resume, or --overwrite_checkpoint=True to replace it")
     for key in sorted(given & saved.keys()):  # asked for another model or dataset: refused, never ignored
         asked = getattr(C, key)
         if asked != saved[key]:
             raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
     settings = vars(C) | saved  # what the run is, saved with each checkpoint
     # 3) out_dir must take our files: found now (an OSError, one line), not at the first save
-    metrics_path = f"{C.out_dir}/metrics.jsonl"
     if rank > 0:
         metrics_path = os.devnull
     os.makedirs(C.out_dir, exist_ok=True)

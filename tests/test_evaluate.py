@@ -352,6 +352,27 @@ def test_dataset_prepared_again_with_another_tokenizer_is_refused(indir, tmp_pat
     assert trained_with in err and now in err
 
 
+def test_dataset_prepared_again_with_the_same_tokenizer_and_another_split_is_refused(indir, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """The same tokenizer.json, but val cut elsewhere (as --val_fraction=0.5 would): the old checkpoint's losses
+    would be on text it trained on. Refused in one line, naming what changed, before any work."""
+    shutil.copytree(indir / "data", tmp_path / "data")
+    shutil.copytree(indir / "out-tiny", tmp_path / "out-tiny", ignore=shutil.ignore_patterns("*.json"))
+    monkeypatch.chdir(tmp_path)
+    meta = json.loads(Path("data/tiny/meta.json").read_text())
+    train_ids = np.fromfile("data/tiny/train.bin", dtype=np.uint16)
+    val_ids = np.fromfile("data/tiny/val.bin", dtype=np.uint16)
+    moved = len(train_ids) // 2  # half the training text is val now
+    np.concatenate([train_ids[moved:], val_ids]).tofile("data/tiny/val.bin")
+    train_ids[:moved].tofile("data/tiny/train.bin")
+    meta |= {"train_tokens": moved, "val_tokens": len(train_ids) - moved + len(val_ids)}
+    Path("data/tiny/meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(evaluate, "trace_windows", lambda *a, **k: pytest.fail("computed before the check"))
+    err = one_line_error(capsys, FAST)
+    assert "is not the dataset out-tiny/ckpt.pt was trained on" in err and "val_tokens" in err
+    assert not Path("out-tiny/eval.json").exists()
+
+
 def test_a_device_this_machine_lacks_is_one_line(indir, capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

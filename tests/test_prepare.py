@@ -31,7 +31,7 @@ SHARED = ROOT.parent / "shared"
 SMOLLM2_JSON = SHARED / "tokenizers" / "smollm2.json"
 TIKTOKEN_CACHE = SHARED / "tiktoken_cache"
 EOT = "<|endoftext|>"
-META_KEYS = {"source", "tokenizer", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "train_bytes",
+META_KEYS = {"source", "tokenizer", "val_fraction", "max_tokens", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "train_bytes",
              "val_bytes", "tokenizer_sha256"}
 
 
@@ -370,6 +370,15 @@ def test_hub_sources_without_datasets_installed_say_how_to_install_it(workdir, m
     assert stderr == "error: import of datasets halted; None in sys.modules: pip install datasets\n"
 
 
+def test_a_memory_error_is_one_line(capsys):
+    """numpy's or Python's own allocation failure (a batch too big for the machine): one line, as torch's is."""
+    def too_big(argv):
+        raise MemoryError
+    with pytest.raises(SystemExit) as caught:
+        configurator.run(too_big)
+    assert caught.value.code == 2 and capsys.readouterr().err == "error: out of memory: try a smaller batch or model\n"
+
+
 def test_a_package_that_raises_module_not_found_itself_is_one_line(capsys):
     """A broken install (or a shim) raises ModuleNotFoundError with no module name: still one line, exit 2."""
     def broken_import(argv):
@@ -434,6 +443,43 @@ def test_bad_arguments_are_one_line_before_any_work(txt_corpus, monkeypatch, cap
     assert not Path("data").exists()  # refused before any file is touched, let alone the tokenizer
 
 
+def test_two_prepares_of_one_name_never_mix(txt_corpus, capsys):
+    """While one prepare.py of a name runs (it holds data/.<name>.lock), a second says so in one line and touches
+    nothing; the first's dataset stays whole. (In-process: flock's locks are per open file, as two processes'.)"""
+    prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300"])
+    before = {name: Path("data/corpus", name).read_bytes() for name in os.listdir("data/corpus")}
+    Path("other.txt").write_text("another text entirely\n\n" * 200)
+    with prepare.lock_name("corpus"):  # as a first run holds it while it writes
+        message = refusal(prepare.main, ["--source=other.txt", "--tokenizer=bpe:300", "--name=corpus"])
+        assert message.startswith("another prepare.py is writing data/corpus now")
+    assert {name: Path("data/corpus", name).read_bytes() for name in os.listdir("data/corpus")} == before
+    assert sorted(os.listdir("data")) == [".corpus.lock", "corpus"]
+    prepare.main(["--source=other.txt", "--tokenizer=bpe:300", "--name=corpus"])  # once it is free
+
+
+def test_a_killed_prepare_never_blocks_the_next(txt_corpus):
+    """The lock goes with its process: a prepare.py killed while it holds it (kill -9) leaves it free."""
+    holder = subprocess.Popen([sys.executable, "-c", "import prepare, time, sys; lock = prepare.lock_name('corpus');"
+                               " print('held', flush=True); time.sleep(60)"], cwd=os.getcwd(), stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert holder.stdout.readline() == b"held\n"
+    with pytest.raises(UserError):
+        prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300"])
+    holder.kill()
+    holder.wait()
+    prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300"])
+    assert Path("data/corpus/meta.json").is_file()
+
+
+def test_a_failed_prepare_leaves_no_tmp_folder(txt_corpus, monkeypatch):
+    def fails_on_train(path, split, tok, dtype, limit=0):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(prepare, "write_bin", fails_on_train)
+    with pytest.raises(OSError):
+        prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300"])
+    assert os.listdir("data") == [".corpus.lock"]
+
+
 def test_tokenizer_without_eot_is_refused(txt_corpus):
     tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
@@ -483,8 +529,6 @@ def test_tokenizer_fingerprint_refuses_another_tokenizer(txt_corpus):
     meta = read_dataset("corpus")[0]
     ckpt = {"config": {"dataset_meta": dict(meta)}, "model_args": {"vocab_size": 300}}
     assert prepare.open_dataset("corpus", ckpt, "out/ckpt.pt") == ("data/corpus", meta)
-    prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300", "--max_tokens=400"])  # the same tokenizer, other data
-    prepare.open_dataset("corpus", ckpt, "out/ckpt.pt")
     prepare.main(["--source=corpus.txt", "--tokenizer=bpe:300", "--val_fraction=0.3"])  # another BPE, same size
     new = read_dataset("corpus")[0]
     assert new["vocab_size"] == 300 and new["tokenizer_sha256"] != meta["tokenizer_sha256"]
@@ -647,7 +691,7 @@ def test_unwritable_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys
     monkeypatch.setattr(prepare, "get_tokenizer", no_tokenizing)
     Path("data").write_text("a regular file: nothing can be made under it, even by root")
     stderr = exit_line(["--source=corpus.txt", "--tokenizer=bpe:300"], monkeypatch, capsys)
-    assert stderr == "error: [Errno 20] Not a directory: 'data/.corpus.tmp'\n"
+    assert stderr == "error: [Errno 17] File exists: 'data'\n"
 
 
 def test_read_only_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys):
@@ -659,12 +703,14 @@ def test_read_only_data_fails_before_tokenizing(txt_corpus, monkeypatch, capsys)
     os.chmod("data", 0o555)
     try:
         if os.access("data", os.W_OK):
-            def refuse(path):
-                raise PermissionError(13, "Permission denied", path)
+            def refuse(path, exist_ok=False):  # as the kernel would: an existing folder needs no write
+                if not (exist_ok and os.path.isdir(path)):
+                    raise PermissionError(13, "Permission denied", path)
             monkeypatch.setattr(os, "makedirs", refuse)
         for name in ("corpus", "done"):
             stderr = exit_line(["--source=corpus.txt", "--tokenizer=bpe:300", f"--name={name}"], monkeypatch, capsys)
-            assert stderr == f"error: [Errno 13] Permission denied: 'data/.{name}.tmp'\n"
+            # its lock file (a user's), or its tmp folder (root, who may write the lock file anyway)
+            assert stderr.startswith(f"error: [Errno 13] Permission denied: 'data/.{name}.")
     finally:
         os.chmod("data", 0o755)
     assert Path("data/done/meta.json").read_text() == before

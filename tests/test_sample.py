@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 from functools import partial
 
 import numpy as np
@@ -733,6 +734,43 @@ def test_foreign_checkpoint_and_missing_dataset_are_one_line(tiny, tmp_path, cap
     (tmp_path / "orphan").mkdir()
     torch.save(ckpt, tmp_path / "orphan" / "ckpt.pt")
     assert "data/gone" in one_line_error(capsys, f"--out_dir={tmp_path / 'orphan'}")
+
+
+def test_a_prompt_of_whitespace_is_a_prompt(tiny, capsys, tmp_path):
+    """The default prompt "\\n", typed out or set in a config file, and any whitespace: generated from."""
+    for start in ("\n", " ", "\n\n\t"):
+        _, text, _ = run_main(capsys, f"--start={start}", "--num_samples=1", "--max_new_tokens=3")
+        assert text.startswith(start)
+    config = tmp_path / "prompt.py"
+    config.write_text('start = "\\n"\n')
+    _, text, _ = run_main(capsys, str(config), "--start=\n", "--num_samples=1", "--max_new_tokens=3")
+    assert text.startswith("\n")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(tiny, capsys):
+    """--start="$(cat prompt.txt)" of a Latin-1 file: its bytes reach Python as lone surrogates."""
+    latin1 = b"The caf\xe9".decode("utf-8", "surrogateescape")
+    assert "--start is not UTF-8 text" in one_line_error(capsys, f"--start={latin1}")
+
+
+def test_a_dataset_without_its_tokenizer_is_one_line(tiny, tmp_path, capsys):
+    shutil.copytree("data", tmp_path / "data")
+    shutil.copytree("out", tmp_path / "out")
+    os.remove(tmp_path / "data" / "tiny" / "tokenizer.json")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert "data/tiny/ has no tokenizer.json" in one_line_error(capsys)
+
+
+def test_a_dataset_prepared_again_is_refused(tiny, tmp_path, capsys):
+    shutil.copytree("data", tmp_path / "data")
+    shutil.copytree("out", tmp_path / "out")
+    meta_path = tmp_path / "data" / "tiny" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta | {"val_tokens": meta["val_tokens"] + 100}))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path)
+        assert "data/tiny is not the dataset out/ckpt.pt was trained on: val_tokens" in one_line_error(capsys)
 
 
 def test_unencodable_prompt_is_one_line(tiny, monkeypatch, capsys):

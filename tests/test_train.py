@@ -409,6 +409,47 @@ def test_scratch_run_never_overwrites_a_checkpoint(tiny_data, capsys):
     assert Path("o/ckpt.pt").read_bytes() == before[:1000]
 
 
+def test_a_scratch_run_keeps_an_earlier_runs_log(tiny_data, capsys):
+    """A log without a checkpoint (a run that never saved) is a user's too: refused, as a checkpoint is."""
+    os.makedirs("o")
+    Path("o/metrics.jsonl").write_text('{"iter": 0, "val_loss": 3.0}\n' * 19)
+    err = refusal(capsys, train.main, TINY + ["--max_iters=1", "--out_dir=o"])
+    assert "o/metrics.jsonl exists" in err and "--overwrite_checkpoint=True" in err
+    assert len(metrics("o")) == 19
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--overwrite_checkpoint=True"])
+    assert len(metrics("o")) == 3  # replaced when asked: two evaluations and a step
+
+
+def test_a_run_that_would_train_nothing_says_so(tiny_data, capsys):
+    assert "--max_iters must be a finite number in [1, inf], got 0" in refusal(
+        capsys, train.main, TINY + ["--max_iters=0", "--out_dir=o"])
+    assert not Path("o").exists()
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
+    before = Path("o/ckpt.pt").read_bytes()
+    for max_iters in (1, 2):  # at or below the checkpoint's step
+        err = refusal(capsys, train.main, TINY + ["--out_dir=o", "--init_from=resume", f"--max_iters={max_iters}"])
+        assert f"o/ckpt.pt is at step 2: --max_iters={max_iters} trains nothing" in err
+    assert Path("o/ckpt.pt").read_bytes() == before and len(metrics("o")) == 4
+
+
+def test_resuming_on_a_dataset_prepared_again_is_refused(tiny_data, capsys):
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
+    meta = json.loads(Path("data/tiny/meta.json").read_text())
+    Path("data/tiny/meta.json").write_text(json.dumps(meta | {"val_tokens": 1000, "train_tokens": 21000}))
+    err = refusal(capsys, train.main, TINY + ["--out_dir=o", "--init_from=resume", "--max_iters=4"])
+    assert "data/tiny is not the dataset o/ckpt.pt was trained on" in err and "val_tokens 1000 (was 2000)" in err
+
+
+def test_a_failed_save_leaves_no_partial_file(tmp_path, monkeypatch):
+    def crashing_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", crashing_save)
+    with pytest.raises(OSError):
+        save_atomic(str(tmp_path / "ckpt.pt"), {})
+    assert os.listdir(tmp_path) == []
+
+
 def test_diverged_model_is_never_saved(tiny_data, capsys):
     """Resume a trained tiny model with settings that make it diverge, evaluating (and, finite, saving) at
     every step: the non-finite model is never saved, the last finite one stays. In float32 on the CPU on any
@@ -501,7 +542,7 @@ def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
     (["--out_dir="], "--out_dir must not be empty"),
     (["--n_core=-1"], "--n_core must be a finite number in [1, inf], got -1"),
     (["--learning_rate=inf"], "--learning_rate: cannot parse 'inf'"),
-    (["--compile_backend=  "], "--compile_backend must not be empty"),
+    (["--compile_backend=  "], "--compile_backend must be one of"),  # whitespace is a value, not a choice
     (["--compile=True", "--compile_backend=nonesuch"], "--compile_backend must be one of"),
     (["--out_dir", "--max_iters=1"], "--out_dir: expected str, got True"),  # a bare flag is no text
     (["--dataset"], "--dataset: expected str, got True"),
