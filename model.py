@@ -148,7 +148,11 @@ class Attention(nn.Module):
         else:  # one new token per row: the whole cache, masked after its position (the same shapes every step)
             k, v = cache.cache.k[layer], cache.cache.v[layer]
             visible = torch.arange(k.size(2), device=k.device) <= cache.pos[:, None]  # (1, block_size)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+            # The query heads of a K/V group share its keys and, one token each, one mask: laid out as the group's
+            # rows, (B, n_kv_head, group, head_dim), they need no repeated cache, and the fused kernels take them
+            # with a mask (with enable_gqa and a mask, torch falls back to its math kernel)
+            grouped = q.view(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
+            y = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible).view(B, self.n_head, 1, -1)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -8,13 +8,15 @@ computes every row, and a row that has stopped keeps what it had (masked, not ga
 waits for the host). Past block_size the context keeps its last half, prefilled again at --loops.
 With one sample the text is printed as it is chosen; with several, each whole at the end.
 """
+import itertools
 import json
 import os
 import sys
+from functools import partial
 from math import inf
 
 import torch
-import torch.nn.functional as F
+from torch._dynamo.utils import counters, guard_failures
 
 from configurator import UserError, configure, run
 from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast, checkpoint_id, clock,
@@ -27,7 +29,7 @@ num_samples = 3  # sequences, generated as one batch
 max_new_tokens = 200  # new tokens per sequence
 temperature = 0.8  # below 1e-6: greedy (argmax)
 top_k = 200  # sample among the k likeliest tokens; 0: all
-seed = 1337  # sequence i draws with seed + i
+seed = 1337  # sequence i starts and draws with seed + i
 loops = 0  # loops per token at fixed depth, and the prompt's with an exit; 0: mean_loops
 exit = "none"  # per-token exit: a test of model.EXIT_TESTS, 'kl' (output settles) or 'state' (state settles)
 exit_threshold = -1.0  # a token stops once its exit score is below this; -1: allocate.py's, or the test's own
@@ -35,8 +37,8 @@ r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_lo
 state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
-compile = torch.cuda.is_available()  # torch.compile the decode loop (on CUDA a CUDA graph: one launch a loop)
-RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit_threshold=(-1, inf),
+compile = torch.cuda.is_available()  # torch.compile a decode step's three parts (on CUDA, CUDA graphs)
+RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 31), exit_threshold=(-1, inf),
              state_init=("zero", "noise"), dtype=("float32", "bfloat16"), device=DEVICES)
 
 
@@ -61,18 +63,34 @@ def initial_states(model, n_seqs, length, mode, seed, device):
     return torch.cat([model.init_state(e, mode, g) for g in generators])
 
 
-def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> next token ids (B,), row i drawn with generators[i]."""
+def sample_next(logits, temperature, top_k, seeds, step):
+    """logits (B, V) -> next token ids (B,): the argmax, or a draw from softmax(logits / temperature), row i's
+    from seeds[i] ((B,) long) and the step alone, whatever else is in its batch, one draw for the batch."""
     if temperature < 1e-6:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k:  # only the k likeliest tokens may be drawn
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    # row by row, each with its sequence's generator (see initial_states)
-    draws = [p.multinomial(1, generator=g) for p, g in zip(probs, generators)]
-    return torch.cat(draws)
+    # the Gumbel-max trick: argmax(logits + Gumbel noise) is distributed as softmax(logits)
+    return (logits + gumbel_noise(seeds, step, logits.size(-1))).argmax(-1)
+
+
+def gumbel_noise(seeds, step, vocab_size):
+    """Gumbel(0, 1) noise (B, V) hashed from (seeds[i], step, vocabulary entry): counter-based, so that no
+    generator state is drawn row by row and a row's noise never depends on the other rows."""
+    row_key = hash32(hash32(seeds % 2 ** 32) ^ step)
+    bits = hash32(hash32(torch.arange(vocab_size, device=seeds.device)) ^ row_key[:, None])
+    uniform = (bits.double() + 0.5) / 2 ** 32  # in (0, 1): both logs finite
+    return -torch.log(-torch.log(uniform)).float()
+
+
+def hash32(x):
+    """An integer hash of x (long, in [0, 2**32)) into [0, 2**32), each bit of the input moving about half of
+    the output's (T. Mueller's constant); the products stay below 2**59, so long arithmetic is exact."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B % 2 ** 32
+    return (x >> 16) ^ x
 
 
 def prefill(model, caches, tokens, s, loops):
@@ -83,31 +101,77 @@ def prefill(model, caches, tokens, s, loops):
     return model.readout(s, CacheView(caches["coda"]))[:, -1]
 
 
-def decode_loop(model, caches, e, s, logits, looping, loops, pos, depth):
-    """One more loop of a new token per row, e (B, 1, d) at pos ((1,) long): from MIN_EXIT_LOOP a row stops once its
-    exit score is below the threshold (at r_max at the latest). Every row runs; a stopped one keeps its s, logits
-    (float32: the KL exit), loops and cache slots, in place, with no host sync. -> "no row is looping" (0-dim bool)"""
-    active = looping.clone()  # the rows this loop runs: their cache slots take its K/V
-    s_new = model.core_step(e, s, CacheView(caches["core"], pos, active))
-    loops.add_(active)
-    logits_new = None
-    if depth.test is not None and depth.test.needs_logits:
-        logits_new = model.readout(s_new, CacheView(caches["coda"], pos, active)).float()
-    score = None  # uniform depth: the stop rule reads loops alone
-    if depth.test is not None:
-        score = depth.test.score(s_new, s, logits_new, logits)[:, 0]
-    go_on = keeps_looping(loops, score, depth)
-    # written in place: the buffers keep their addresses, which a CUDA graph's replays read and write
-    s.copy_(torch.where(active[:, None, None], s_new, s))
-    if logits_new is not None:
-        logits.copy_(torch.where(active[:, None, None], logits_new, logits))
-    looping.copy_(active & go_on)
-    return ~looping.any()
+class Decoder:
+    """A batch's KV caches and its new tokens' state, at fixed addresses, and the three steps each new token
+    takes: begin (its prelude, at pos), loop (one more masked loop of every row), end (its next logits).
+    Each step writes only these buffers, never waits for the host and has the same shapes at every token, so
+    that under --compile each is one CUDA graph: a token costs its loops + 2 launches, whatever the model."""
+
+    def __init__(self, model, s0, depth, compiler=None):
+        c = model.config
+        B = s0.size(0)
+        self.model = model
+        # the depth policy (uniform, or an exit test: keeps_looping) with its numbers as tensors, so that a graph
+        # compiled for one threshold or r_max serves every other, uncompiled again
+        threshold = torch.tensor(depth.threshold, device=s0.device)
+        r_max = torch.tensor(depth.r_max, device=s0.device)
+        self.depth = DepthPolicy(depth.test, threshold, r_max)
+        self.caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
+                       "coda": model.new_cache(c.n_coda, B)}
+        self.pos = torch.zeros(1, dtype=torch.long, device=s0.device)  # the new tokens' position in the caches
+        self.e = s0.new_zeros(B, 1, c.n_embd)  # the new token's prelude output and state, in s0's dtype
+        self.s = s0.new_zeros(B, 1, c.n_embd)
+        self.carried = s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32)  # the KL exit's last readout
+        self.looping = torch.zeros(B, dtype=torch.bool, device=s0.device)
+        self.loops_ran = torch.zeros(B, dtype=torch.long, device=s0.device)
+        for buffer in (self.pos, self.e, self.s, self.carried, self.looping, self.loops_ran):
+            torch._dynamo.mark_static_address(buffer, guard=False)  # a CUDA graph writes them in place
+        if compiler is not None:  # each step its own compiled graph (torch.compile in main)
+            self.begin, self.loop, self.end = compiler(self.begin), compiler(self.loop), compiler(self.end)
+
+    def begin(self, token, s_init):
+        """Every row's new token (B,) at pos: its prelude into e; its loops start afresh from s_init (B, 1, d)."""
+        self.e.copy_(self.model.prelude(token[:, None], CacheView(self.caches["prelude"], self.pos)))
+        self.s.copy_(s_init)
+        self.looping.fill_(True)
+        self.loops_ran.zero_()
+
+    def loop(self):
+        """One more loop of every row's new token: every row runs, and one that has stopped keeps its s, carried
+        logits (float32), loop count and cache slots (keeps_looping: at most r_max loops) -> "no row is looping"
+        (a 0-dim bool on the device: reading it is the caller's one host wait)."""
+        model, test = self.model, self.depth.test
+        active = self.looping.clone()  # the rows this loop runs: their cache slots take its K/V
+        s_new = model.core_step(self.e, self.s, CacheView(self.caches["core"], self.pos, active))
+        self.loops_ran.add_(active)
+        logits_new = None
+        if test is not None and test.needs_logits:
+            logits_new = model.readout(s_new, CacheView(self.caches["coda"], self.pos, active)).float()
+        score = None  # uniform depth: the stop rule reads the loop count alone
+        if test is not None:
+            score = test.score(s_new, self.s, logits_new, self.carried)[:, 0]
+        go_on = keeps_looping(self.loops_ran, score, self.depth)
+        self.s.copy_(torch.where(active[:, None, None], s_new, self.s))
+        if logits_new is not None:
+            self.carried.copy_(torch.where(active[:, None, None], logits_new, self.carried))
+        self.looping.copy_(active & go_on)
+        return ~self.looping.any()
+
+    def end(self):
+        """-> every row's next logits (B, V), valid until the next step: the KL exit carried each row's last
+        readout, else one readout of every row's final state. The next token goes to the next position."""
+        if self.depth.test is not None and self.depth.test.needs_logits:
+            logits = self.carried[:, 0]
+        else:
+            logits = self.model.readout(self.s, CacheView(self.caches["coda"], self.pos))[:, 0]
+        self.pos.add_(1)
+        return logits
 
 
-DECODE_LOOP = decode_loop  # what generate calls: main puts it here compiled (--compile)
-# A GPU runs behind the host: reading loop i-1's flag once loop i is queued, the host never keeps it waiting
-# (at most one extra loop runs, every row masked: it changes nothing). A CPU runs ops as they come: no lag.
+# With an exit, the host reads "no row is looping" every LOOPS_PER_READ loops, the flag read LOOPS_AHEAD reads
+# late. A GPU runs behind the host: the host then never keeps it waiting, and the loops it runs past the deepest
+# token, every row masked, change nothing. A CPU runs ops as they come: a read after every loop, at once.
+LOOPS_PER_READ = {"cpu": 1, "cuda": 2}
 LOOPS_AHEAD = {"cpu": 0, "cuda": 1}
 
 
@@ -126,28 +190,23 @@ class HostFlag:
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
+def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth, compiler=None):
     """Yields, step by step, the next token of every sequence after prompts idx (B, T0) and the
     loops run by the token it was read from: (B,), (B,). s0 (B, T0 + max_new_tokens, d) holds the
-    initial state of every position; pick(logits (B, V)) -> (B,) chooses. The prompt runs
-    prompt_loops loops a token; each new token runs `depth` (a DepthPolicy, see decode_loop)."""
+    initial state of every position; pick(logits (B, V)) -> (B,) chooses, and keeps no logits (the
+    next step overwrites them). The prompt runs prompt_loops loops a token; each new token runs
+    `depth` (a DepthPolicy). compiler: wraps each of a decode step's three parts (see Decoder)."""
     B, T0 = idx.shape
-    c = model.config
-    block = c.block_size
-    caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
-              "coda": model.new_cache(c.n_coda, B)}
-    # a new token's loops, in place at fixed addresses (a CUDA graph writes them): see decode_loop
-    buffers = (s0.new_zeros(B, 1, c.n_embd), s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32),
-               idx.new_zeros(B, dtype=torch.bool), idx.new_zeros(B))
-    for buffer in buffers:
-        torch._dynamo.mark_static_address(buffer, guard=False)
-    s, carried, looping, loops_ran = buffers
+    block = model.config.block_size
+    decoder = Decoder(model, s0, depth, compiler)
+    per_read, ahead = LOOPS_PER_READ[idx.device.type], LOOPS_AHEAD[idx.device.type]
     tokens = idx  # the prompts and every token chosen so far
     # 1) prefill: the prompt's last block_size tokens, at positions 0..
     first = max(0, T0 - block)
-    logits = prefill(model, caches, tokens[:, first:], s0[:, first:T0], prompt_loops)
+    logits = prefill(model, decoder.caches, tokens[:, first:], s0[:, first:T0], prompt_loops)
     loops = torch.full((B,), prompt_loops, device=idx.device)
     n_cached = T0 - first
+    decoder.pos.fill_(n_cached)
     for step in range(max_new_tokens):
         # 2) every sequence picks its next token from its last readout
         next_token = pick(logits)
@@ -159,28 +218,20 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth):
         if n_cached == block:
             # 3) the context is full: keep the last half before the new token, prefilled again
             first = t - block // 2
-            prefill(model, caches, tokens[:, first:t], s0[:, first:t], prompt_loops)
+            prefill(model, decoder.caches, tokens[:, first:t], s0[:, first:t], prompt_loops)
             n_cached = block // 2
-        # 4) the new token at the next position (a tensor: every step has the same shapes), looped
-        pos = torch.full((1,), n_cached, device=idx.device)
-        e = model.prelude(next_token[:, None], CacheView(caches["prelude"], pos))
-        # every row starts the token afresh: its s_0, looping, no loops run
-        s.copy_(s0[:, t:t + 1])
-        looping.fill_(True)
-        loops_ran.zero_()
-        ahead = LOOPS_AHEAD[idx.device.type]
-        flags = []  # "no row is looping" after each loop from MIN_EXIT_LOOP, read `ahead` loops later
+            decoder.pos.fill_(n_cached)
+        # 4) the new token at the next position, looped until every row has stopped (at r_max at the latest)
+        decoder.begin(next_token, s0[:, t:t + 1])
+        flags = []  # "no row is looping" after every per_read-th loop from MIN_EXIT_LOOP, read `ahead` reads late
         for loop in range(1, depth.r_max + 1):
-            no_row_looping = DECODE_LOOP(model, caches, e, *buffers, pos, depth)
-            if depth.test is not None and loop >= MIN_EXIT_LOOP:
+            no_row_looping = decoder.loop()
+            if depth.test is not None and loop >= MIN_EXIT_LOOP and loop % per_read == 0:
                 flags.append(HostFlag(no_row_looping))
             if len(flags) > ahead and flags[-1 - ahead].read():
                 break
-        if depth.test is not None and depth.test.needs_logits:  # the KL exit carried each row's last readout
-            logits = carried[:, -1].clone()
-        else:  # one readout of every token's final state
-            logits = model.readout(s, CacheView(caches["coda"], pos))[:, -1]
-        loops = loops_ran.clone()
+        logits = decoder.end()
+        loops = decoder.loops_ran.clone()
         n_cached += 1
 
 
@@ -210,12 +261,15 @@ def main(argv=()):
         print("warning: allocate.py calibrates the exits' thresholds from a zero state, not noise", file=sys.stderr)
     n = C.num_samples
     s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
-    generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
+    seeds = torch.arange(C.seed, C.seed + n, device=C.device)  # sequence i samples with seed + i
+    steps = itertools.count()
 
     def pick(logits):
-        return sample_next(logits, C.temperature, C.top_k, generators)
-    global DECODE_LOOP  # compiled: one graph a loop, on CUDA a CUDA graph (inductor alone on the CPU)
-    DECODE_LOOP = torch.compile(decode_loop, mode="reduce-overhead", fullgraph=True) if C.compile else decode_loop
+        return sample_next(logits, C.temperature, C.top_k, seeds, next(steps))
+    compiler = None  # each decode step's part one graph, on CUDA a CUDA graph (inductor alone on the CPU)
+    if C.compile:
+        compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
+    compiled_before = compile_counts()
     new_tokens, loops_run = [], []  # on the device, read once at the end: no wait a step
     unprinted = []  # one sample is printed as it comes; a character may span tokens
     if n == 1:
@@ -223,7 +277,7 @@ def main(argv=()):
     started = clock(C.device)
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
-        for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth):
+        for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth, compiler):
             new_tokens.append(next_token)
             loops_run.append(loops)
             if n == 1:  # the one wait on the device a step
@@ -251,7 +305,18 @@ def main(argv=()):
     loops_run = loops_run.flatten().tolist()
     histogram = [f"{k}:{loops_run.count(k)}" for k in sorted(set(loops_run))]
     print("loops per new token (loops:tokens):", *histogram, file=sys.stderr)
+    if C.compile:  # proof that the graphs held: what this run compiled, and anything that undid it
+        compiled = {key: count - compiled_before[key] for key, count in compile_counts().items()}
+        print("compiled:", ", ".join(f"{count} {key}" for key, count in compiled.items()), file=sys.stderr)
     return new_ids
+
+
+def compile_counts():
+    """torch.compile's running counts: graphs compiled, graph breaks, recompilations (a guard that failed, so
+    that a step compiled again) and CUDA-graph skips (a graph that runs without one)."""
+    return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(counters["graph_break"].values()),
+            "recompilations": sum(len(reasons) for reasons in guard_failures.values()),
+            "CUDA-graph skips": counters["inductor"]["cudagraph_skips"]}
 
 
 if __name__ == "__main__":

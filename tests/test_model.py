@@ -146,19 +146,39 @@ def test_kv_cache_write_places_each_token_at_its_row_and_position():
     assert written.nonzero().tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [2, 1], [2, 4]]
 
 
+def test_a_decoded_tokens_attention_by_k_v_group_is_the_grouped_query_attention_with_its_mask():
+    """A new token's query heads laid out per K/V group (no repeated cache, no math-kernel fallback) give,
+    in float64, what grouped-query SDPA with the mask up to its position gives (the layout before)."""
+    model = tiny().double()
+    attn = model.core.blocks[0].attn  # 4 query heads, 2 K/V heads
+    cache = model.new_cache(1, 3)
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    x = torch.randn(3, 1, 32, dtype=torch.float64)
+    pos = torch.tensor([9])
+    cos, sin = model.rope(1, CacheView(cache, pos))
+    with torch.no_grad():
+        y = attn(x, cos, sin, CacheView(cache, pos), 0)
+        q = attn.wq(x).view(3, 1, 4, 8).transpose(1, 2)
+        q = model_lib.apply_rope(q, cos, sin)
+        visible = torch.arange(16) <= pos[:, None]
+        expected = F.scaled_dot_product_attention(q, cache.k[0], cache.v[0], attn_mask=visible, enable_gqa=True)
+        expected = attn.wo(expected.transpose(1, 2).reshape(3, 1, -1))
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.cuda  # skipped without a GPU (tests/conftest.py)
-def test_on_cuda_a_prefill_runs_on_a_fused_kernel():
-    """A prefill attends causally without a mask: it may not fall to the math kernel. (A decoded token
-    attends over the whole cache with a mask: under sample.py's torch.compile, inductor writes it.)"""
+def test_on_cuda_a_prefill_and_a_decoded_token_run_on_fused_kernels():
+    """Neither a prefill (causal, no mask) nor a decoded token (a mask, its heads laid out per K/V group) may
+    fall to the math kernel: with only the fused backends allowed, both run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     model = tiny().cuda().eval()
     idx = torch.randint(0, 50, (2, 16), device="cuda")
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(fused):
         cache = model.new_cache(2, 2)
         e = model.prelude(idx)
-        with sdpa_kernel(fused):
-            model.core_step(e[:, :15], torch.zeros_like(e[:, :15]), CacheView(cache))
+        model.core_step(e[:, :15], torch.zeros_like(e[:, :15]), CacheView(cache))
         model.core_step(e[:, 15:], torch.zeros_like(e[:, 15:]), CacheView(cache, torch.tensor([15], device="cuda")))
 
 

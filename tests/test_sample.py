@@ -4,6 +4,7 @@ allocate.py's engine. References: nanoGPT's uncached generate for fixed depth, a
 uncached depth-wise recomputation implementing the documented K/V rule (a stopped token is seen by later
 loops as it was at its last loop)."""
 import copy
+import itertools
 import json
 import os
 import random
@@ -102,9 +103,10 @@ def GREEDY(logits):
 
 
 def sampler(seed, n):
-    """Sampling at temperature 1, sequence i with the generator seed + i (as sample.main does)."""
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
-    return partial(sample.sample_next, temperature=1.0, top_k=0, generators=generators)
+    """Sampling at temperature 1, sequence i with seed + i, the step counted from 0 (as sample.main does)."""
+    seeds = torch.arange(seed, seed + n)
+    steps = itertools.count()
+    return lambda logits: sample.sample_next(logits, 1.0, 0, seeds, next(steps))
 
 
 def recording(pick, seen):
@@ -121,10 +123,11 @@ def prompts(n, length=12):
     return torch.stack([val[23 * i:23 * i + length] for i in range(n)])
 
 
-def generate_all(model, idx, n_new, s0, pick, prompt_depth, new_depth=None):
+def generate_all(model, idx, n_new, s0, pick, prompt_depth, new_depth=None, compiler=None):
     """sample.generate run to the end -> (prompts and new tokens (B, T0 + n_new), the loops run by the
     token each new token was read from (B, n_new): the prompt's last, then each fed new token)."""
-    steps = list(sample.generate(model, idx, n_new, s0, pick, prompt_depth.r_max, new_depth or prompt_depth))
+    new_depth = new_depth or prompt_depth
+    steps = list(sample.generate(model, idx, n_new, s0, pick, prompt_depth.r_max, new_depth, compiler))
     new_tokens = torch.stack([token for token, _ in steps], dim=1)
     loops = torch.stack([loops for _, loops in steps], dim=1)
     return torch.cat([idx, new_tokens], dim=1), loops
@@ -448,6 +451,51 @@ def test_a_decode_step_reads_nothing_on_the_host_but_its_exit_flags(tiny, exit):
     assert syncs.count == expected and (exit == "none" or len(set(deepest.tolist())) > 1)
 
 
+class CountingOps(TorchDispatchMode):
+    """Counts the aten ops dispatched outside the decode steps given to generate's compiler, which stand for
+    compiled code (on a GPU, CUDA graphs): what is left is what the host launches op by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.in_compiled_code = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not self.in_compiled_code
+        return func(*args, **(kwargs or {}))
+
+    def compiler(self, step):
+        def compiled(*args):
+            self.in_compiled_code = True
+            try:
+                return step(*args)
+            finally:
+                self.in_compiled_code = False
+        return compiled
+
+
+@pytest.mark.parametrize("exit", ["none", "kl", "state"])
+def test_a_new_token_launches_at_most_30_ops_outside_compiled_code_at_s0s_shape(exit):
+    """The paper's S0 (vocabulary 49,152, width 384, 2/4/2 blocks), batch 2, 4 loops a token (an exit: at most 4,
+    and since it never fires, a flag read after loops 2, 3 and 4): per new token, counted as the difference
+    between 20 and 10 new tokens. The engine before this one launched ~336."""
+    torch.manual_seed(0)
+    model = model_lib.GPT(model_lib.GPTConfig()).eval()
+    idx = torch.randint(0, 49152, (2, 8))
+    policy = uniform_depth(4)
+    if exit != "none":
+        policy = DepthPolicy(EXIT_TESTS[exit], 0.0, 4)  # a test that never fires: every token runs r_max
+    per_run = []
+    for n_new in (10, 20):
+        s0 = torch.zeros(2, 8 + n_new, 384)
+        counting = CountingOps()
+        with counting:
+            generate_all(model, idx, n_new, s0, GREEDY, uniform_depth(4), policy, counting.compiler)
+        per_run.append(counting.count)
+    per_token = (per_run[1] - per_run[0]) / 10
+    assert per_token <= 30, per_token
+
+
 @pytest.mark.parametrize("exit", ["none", "kl"])
 def test_main_waits_once_per_token_for_one_sample_and_never_for_several(tiny, capsys, exit):
     """The one wait a step is the streamed token's; several samples are read once, at the end."""
@@ -462,39 +510,50 @@ def test_main_waits_once_per_token_for_one_sample_and_never_for_several(tiny, ca
         assert (counts[1] - counts[0]) == 20 * (per_token + exit_reads)
 
 
-def test_a_gpu_reads_each_flag_one_loop_late_and_the_extra_loop_changes_nothing(tiny, monkeypatch):
-    """LOOPS_AHEAD as on CUDA, run on the CPU: every step runs one loop past its deepest token (fully
-    masked), except at r_max, and every token and depth is what reading at once gives."""
+def counting_calls(calls):
+    """A compiler for generate that compiles nothing and records the name of each step run (begin, loop, end)."""
+    def compiler(step):
+        def counted(*args):
+            calls.append(step.__name__)
+            return step(*args)
+        return counted
+    return compiler
+
+
+def test_a_gpu_reads_a_flag_every_two_loops_one_read_late_and_the_extra_loops_change_nothing(tiny, monkeypatch):
+    """LOOPS_PER_READ and LOOPS_AHEAD as on CUDA, run on the CPU: a step runs past its deepest token (up to
+    the next read, fully masked) except at r_max, and every token and depth is what reading at once gives."""
     model = small_block(tiny[0])
     idx = prompts(3)
     test = EXIT_TESTS["kl"]
-    policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS)
+    policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS + 2)
     s0 = sample.initial_states(model, 3, idx.size(1) + 30, "noise", 2, "cpu").double()
     at_once = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy)
+    monkeypatch.setitem(sample.LOOPS_PER_READ, "cpu", 2)
     monkeypatch.setitem(sample.LOOPS_AHEAD, "cpu", 1)
     calls = []
-    real_loop = sample.decode_loop
-    monkeypatch.setattr(sample, "DECODE_LOOP", lambda *args: calls.append(1) or real_loop(*args))
-    late = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy)
+    late = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy, counting_calls(calls))
     assert torch.equal(late[0], at_once[0]) and torch.equal(late[1], at_once[1])
-    deepest = at_once[1][:, 1:].amax(0)
-    assert len(calls) == (deepest + (deepest < MAX_LOOPS)).sum() and (deepest < MAX_LOOPS).any()
+    deepest = at_once[1][:, 1:].amax(0)  # each step's deepest token: its flag is read at the next even loop + 2
+    ran = torch.clamp(deepest + deepest % 2 + 2, max=MAX_LOOPS + 2)
+    assert calls.count("loop") == ran.sum() and (ran > deepest).any() and calls.count("begin") == 29
 
 
-def test_the_compiled_decode_loop_equals_eager_without_graph_breaks_or_recompiles(tiny, monkeypatch, fresh_compiler):
-    """decode_loop under torch.compile(fullgraph=True) (inductor on the CPU), 100 new tokens with a KL
-    exit, batch 2, past block_size: one graph, never recompiled, the same tokens and loops as eager."""
+def test_the_compiled_decode_steps_equal_eager_without_graph_breaks_or_recompiles(tiny, fresh_compiler):
+    """Each of a decode step's three parts under torch.compile(fullgraph=True) (inductor on the CPU), 100 new
+    tokens with a KL exit, batch 2, past block_size: three graphs, never recompiled, the same tokens and
+    loops as eager."""
     model = small_block(tiny[0])
     idx = prompts(2)
     test = EXIT_TESTS["kl"]
     policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS)
     s0 = torch.zeros(2, idx.size(1) + 100, model.config.n_embd, dtype=torch.float64)
     eager = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
-    monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, fullgraph=True))
     with torch._dynamo.config.patch(error_on_recompile=True):  # never monkeypatch: its undo hides the entry
-        compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
+        compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy,
+                                partial(torch.compile, fullgraph=True))
     counters = fresh_compiler
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     assert len(set(eager[1].flatten().tolist())) > 2  # the exit really stopped tokens at varied loops
 
@@ -516,21 +575,57 @@ def test_on_cuda_a_decode_step_at_uniform_depth_never_syncs(tiny):
 
 
 @needs_cuda
-@pytest.mark.parametrize("exit", ["none", "kl"])
-def test_on_cuda_the_compiled_decode_loop_equals_eager(tiny, monkeypatch, fresh_compiler, exit):
-    """CUDA graphs (mode reduce-overhead) in float64, so that no rounding can flip a token or an exit."""
+@pytest.mark.parametrize("exit", ["none", "kl", "state"])
+def test_on_cuda_the_decode_steps_run_in_cuda_graphs_and_equal_eager(tiny, fresh_compiler, exit):
+    """CUDA graphs (mode reduce-overhead), 100 new tokens past block_size, in float64 so that no rounding can
+    flip a token or an exit: the same tokens as eager, three graphs, no recompilation, no CUDA-graph skip."""
     model = small_block(tiny[0]).cuda()
     idx = prompts(2).cuda()
     policy = uniform_depth(3)
-    if exit == "kl":
-        policy = DepthPolicy(EXIT_TESTS["kl"], typical_threshold(model.cpu(), EXIT_TESTS["kl"]), MAX_LOOPS)
+    if exit != "none":
+        test = EXIT_TESTS[exit]
+        policy = DepthPolicy(test, typical_threshold(model.cpu(), test), MAX_LOOPS)
         model.cuda()
-    s0 = torch.zeros(2, idx.size(1) + 40, model.config.n_embd, dtype=torch.float64, device="cuda")
-    eager = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
-    monkeypatch.setattr(sample, "DECODE_LOOP", torch.compile(sample.decode_loop, mode="reduce-overhead",
-                                                             fullgraph=True))
-    compiled = generate_all(model, idx, 40, s0, GREEDY, uniform_depth(2), policy)
+    s0 = torch.zeros(2, idx.size(1) + 100, model.config.n_embd, dtype=torch.float64, device="cuda")
+    eager = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy)
+    compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
+    before = sample.compile_counts()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate_all(model, idx, 100, s0, GREEDY, uniform_depth(2), policy, compiler)
+    after = sample.compile_counts()
+    assert after["graphs"] - before["graphs"] == 3 and after["graph breaks"] == before["graph breaks"]
+    assert after["recompilations"] == before["recompilations"]
+    assert after["CUDA-graph skips"] == before["CUDA-graph skips"]
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+def test_main_compiled_says_how_many_graphs_ran_and_that_none_broke_recompiled_or_skipped(tiny, capsys, monkeypatch,
+                                                                                           fresh_compiler):
+    """--compile's line: what torch.compile did in this run (aot_eager stands in for inductor: the same graphs,
+    without its compile time; on a GPU the CUDA-graph skips count too)."""
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", partial(real_compile, backend="aot_eager"))
+    eager = run_main(capsys, "--exit=kl", "--exit_threshold=0.01", "--num_samples=2", "--max_new_tokens=80")
+    compiled = run_main(capsys, "--compile=True", "--exit=kl", "--exit_threshold=0.01", "--num_samples=2",
+                        "--max_new_tokens=80")  # past block_size (64)
+    assert compiled[0] == eager[0]
+    assert "compiled: 3 graphs, 0 graph breaks, 0 recompilations, 0 CUDA-graph skips" in compiled[2]
+
+
+def test_batched_sampling_draws_from_the_softmax_with_each_rows_own_seed():
+    """One draw for the whole batch (Gumbel-max on noise hashed from each row's seed and the step): a row's
+    token depends on its seed and step alone, and over many seeds the tokens follow softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(20000, 5)
+    seeds = torch.arange(20000)
+    drawn = sample.sample_next(logits, 1.0, 0, seeds, step=3)
+    frequencies = torch.bincount(drawn, minlength=5) / 20000
+    expected = torch.softmax(logits[0], -1)
+    assert (frequencies - expected).abs().max() < 0.012  # about 4 standard errors at p = 0.64
+    assert torch.equal(sample.sample_next(logits[:3], 1.0, 0, seeds[[7, 8, 9]], 3), drawn[7:10])  # batch-free
+    assert not torch.equal(sample.sample_next(logits, 1.0, 0, seeds, 4), drawn)  # the step moves the draw
+    top2 = sample.sample_next(logits, 0.5, 2, seeds, 3)
+    assert set(top2.tolist()) == {0, 1}  # top_k: only the two likeliest
+    assert abs((top2 == 0).float().mean() - torch.sigmoid(torch.tensor(2.0))) < 0.012  # p(0) = e^4 / (e^4 + e^2)
 
 
 # ---- dtype -----------------------------------------------------------------------------------
@@ -667,7 +762,7 @@ def test_tokens_per_second_count_the_decode_steps_after_a_warm_up(tiny, capsys, 
     prefill's token and the warm-up's are not counted. Beside the mean loops, each step's deepest."""
     readings = iter([0.0, 10.0, 14.0])  # before the prefill, after the warm-up step, at the end
     monkeypatch.setattr(sample, "clock", lambda device: next(readings))
-    _, _, err = run_main(capsys, "--num_samples=2", "--exit=kl")
+    _, _, err = run_main(capsys, "--num_samples=2", "--exit=kl", "--exit_threshold=0.01")  # tokens exit at 2-4
     assert "14.0 tokens/s (56 timed)" in err  # 2 x (30 - 2) tokens in 4 s
     mean, deepest = map(float, re.search(r"([\d.]+) loops \(a step's deepest ([\d.]+)\)", err).groups())
     assert 1 <= mean < deepest <= MAX_LOOPS
