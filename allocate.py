@@ -70,21 +70,12 @@ def fit_probe(x, y):
     return probe
 
 
-def probe_accuracy(traced):
-    """The probe's accuracy on the evaluation windows' labels (it never saw them), and the accuracy
-    of always guessing the commoner label: the paper's diagnosis of A2."""
-    labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
-    rate = labels.float().mean().item()
-    accuracy = ((traced["probe"][:-1] > 0.5) == labels).float().mean().item()
-    return {"accuracy": accuracy, "majority": max(rate, 1 - rate)}
-
-
 def probe_exit_test(probe):
     """A2 as an exit test: its score is the probe's P(this token's argmax changes later)."""
     def score(s_new, s_old, logits_new, logits_old):
         return probe(s_new)
     # a standardisation and a dot product per state channel
-    return ExitTest(score, lambda config: 4 * config.n_embd, needs_logits=False, policy="A2")
+    return ExitTest(score, lambda config: 4 * config.n_embd, policy="A2")
 
 
 def log_grid(scores, n):
@@ -99,15 +90,13 @@ def log_grid(scores, n):
 def fit_router(model, train_wins, C, r_max):
     """A2's probe, and every exit's threshold grid, from training windows only: tuned on the
     evaluation windows, they would flatter the exits. -> (the probe: states -> P(argmax changes
-    later), grids {exit test's name: thresholds}); "probe" is A2's)"""
+    later), grids {exit test's name: thresholds}, "probe" A2's)"""
     keys = ("argmax", *EXIT_TESTS)
     traced = trace_windows(model, train_wins, r_max, C.batch_size, keys, states_as=("states", torch.Tensor.float))
     labels = harvest_labels(traced["argmax"])[:-1]  # after r_max there is no later loop
     states = traced["states"][:-1]
     probe = fit_probe(states.flatten(0, 2), labels.flatten())
-    grids = {}
-    for name in EXIT_TESTS:  # the scores a token can stop on
-        grids[name] = log_grid(traced[name][MIN_EXIT_LOOP - 1:], C.n_grid)
+    grids = {name: log_grid(traced[name][MIN_EXIT_LOOP - 1:], C.n_grid) for name in EXIT_TESTS}  # where tokens stop
     grids["probe"] = log_grid(probe(states).flatten(), C.n_grid)
     return probe, grids
 
@@ -243,18 +232,14 @@ def print_report(res):
         rows.append([f"saves, in {cost}", ""] + saves)
     headers = ["avg loops", "A0 loss"] + [f"{policy} ({name}) - A0" for policy, name in exits.items()]
     print(markdown(headers, rows))
-    probe = res["probe"]
-    print(f"\nA2 probe: held-out accuracy {probe['accuracy']:.3f} (majority class {probe['majority']:.3f}).")
     thresholds = ", ".join(f"{name} {value:.3g}" for name, value in res["operating_thresholds"].items())
-    print(f"Operating thresholds (the fewest loops that reach the bar; sample.py --exit runs them): {thresholds}")
+    print(f"\nOperating thresholds (the fewest loops that reach the bar; sample.py --exit runs them): {thresholds}")
 
 
 def main(argv=()):
     C, _ = configure(globals(), argv)
     # 1) the checkpoint, its data and the windows; every refusal before the work
-    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device)
-    if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
-        raise UserError(f"--out_dir={C.out_dir} is not writable")
+    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, writes=True)
     mean = model.config.mean_loops
     r_max = C.r_max or model.config.max_loops
     # the bar is uniform depth at mean_loops, and an exit compares two loops: r_max must reach both
@@ -269,24 +254,21 @@ def main(argv=()):
     with autocast(C.device, C.dtype):
         probe, grids = fit_router(model, train_wins.to(C.device), C, r_max)
         # from a zero state, as sample.py's exits start: the thresholds calibrated here are the ones it runs
-        keys = ("loss", "argmax", *EXIT_TESTS)
+        keys = ("loss", *EXIT_TESTS)
         traced = trace_windows(model, wins.to(C.device), r_max, C.batch_size, keys, states_as=("probe", probe))
     # 3) every policy read off it, compared with uniform depth, reported; then saved, window by window
     tests = EXIT_TESTS | {"probe": probe_exit_test(probe)}
     per_window = read_policies(model, traced, tests, grids)
     res = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean, "r_max": r_max,
-           "windows": C.windows, "probe": probe_accuracy(traced)}
+           "windows": C.windows}
     res |= summarize(per_window, C, mean)
     res["exits"] = {test.policy: name for name, test in tests.items()}
     # each exit test's operating point: the threshold sample.py --exit runs for this checkpoint
-    res["operating_thresholds"] = {}
-    for name, test in EXIT_TESTS.items():
-        res["operating_thresholds"][name] = operating_threshold(per_window, test.policy, grids[name], res["bar"])
+    res["operating_thresholds"] = {name: operating_threshold(per_window, test.policy, grids[name], res["bar"])
+                                   for name, test in EXIT_TESTS.items()}
     print_report(res)
     # every point of every curve, window by window: A0's depths r, an exit's thresholds
-    res["settings"] = {"A0": list(range(1, r_max + 1))}
-    for name, grid in grids.items():
-        res["settings"][tests[name].policy] = grid
+    res["settings"] = {"A0": list(range(1, r_max + 1))} | {tests[name].policy: grid for name, grid in grids.items()}
     res["per_window"] = {f"{policy} {measure}": array.tolist() for (policy, measure), array in per_window.items()}
     save_atomic(os.path.join(C.out_dir, "allocate.json"), res)
     print(f"\nwrote {C.out_dir}/allocate.json in {time.perf_counter() - started:.0f}s")

@@ -48,7 +48,7 @@ def load_windows(path, bin_dtype, n, length, seed):
     data = np.memmap(path, dtype=bin_dtype, mode="r")
     slots = len(data) // length
     if not 1 <= n <= slots:
-        raise UserError(f"{n} windows of {length} tokens asked for: {path} holds 1 to {slots}")
+        raise UserError(f"{n} windows of {length} tokens asked for: {path} holds {slots}")
     # whole slots of the split, so that no token is in two windows (the bootstrap's units)
     order = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))
     picked = order[:n].sort().values.numpy()
@@ -195,10 +195,8 @@ def main(argv=()):
     started = time.perf_counter()
     C, _ = configure(globals(), argv)
     # 1) the checkpoint and its windows; every refusal comes before the work
-    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, splits=("val",))
+    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, splits=("val",), writes=True)
     result = os.path.join(C.out_dir, "eval.json")
-    if not os.access(C.out_dir, os.W_OK):  # before minutes of tracing
-        raise UserError(f"--out_dir={C.out_dir} is not writable")
     mean = model.config.mean_loops
     swept = loop_counts(C.loops, mean)
     n_diag = 2 * mean  # the convergence table's loops: the paper's reads to loop 16 at mean 8

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The numbers a GPU run reports (issue 39), on one GPU in about 5 minutes:
+# The numbers a GPU run reports, on one GPU in about 5 minutes (the Python: studies/gpu_check.py):
 #
 #   ./gpu_check.sh --dataset=shakespeare_smollm2
 #
@@ -7,8 +7,9 @@
 #    memory at the paper's micro-batch (32); then a few steps of S0 at 16 and of S1 (config/s1.py) at 4
 #    and at 16. MFU is flops_per_s in metrics.jsonl (the median over the steps after the first two,
 #    which compile) over PEAK_FLOPS; the peak is torch.cuda.max_memory_allocated.
-# 2) S0's decode tokens/s at batch 1 and 32: uniform r = 4, 8, 16, and the kl and state exits
-#    (sample.py's stderr line, as it prints it).
+# 2) allocate.py on S0 (the exits' operating thresholds); S0's decode tokens/s at batch 1 and 32: uniform
+#    r = 4, 8, 16, and the kl and state exits at those thresholds, all in one process (studies/gpu_check.py):
+#    sample.py's tokens/s line and what torch.compile did (graphs, breaks, recompilations, CUDA-graph skips).
 # 3) The test suite's summary line.
 #
 # The dataset: any data/NAME prepared with the SmolLM2 tokenizer, for example
@@ -45,11 +46,13 @@ peak_flops="${PEAK_FLOPS:-989e12}"
 checkpoint_steps=300
 short_steps=8
 new_tokens=128
+allocate_windows=64
 narrow=()
 if [[ "${GPU_CHECK_TINY:-0}" == 1 ]]; then
     checkpoint_steps=12
     short_steps=4
     new_tokens=16
+    allocate_windows=16
     narrow=(--n_embd=64 --n_head=2 --n_kv_head=1 --ffn_hidden=128 --block_size=64)
 fi
 
@@ -65,32 +68,10 @@ export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton" 
 export TRITON_HOME="$work/triton" XDG_CACHE_HOME="$work/cache"
 started=$SECONDS
 
-# train.py in this process, then one line: MFU (median FLOP/s of the steps after the first two) and peak memory
-measure_training() {  # label, out_dir, then train.py's arguments
-    local label=$1 out_dir=$2
-    shift 2
-    if ! python - "$label" "$out_dir" "$peak_flops" "$@" --out_dir="$out_dir" > "$work/$label.log" 2>&1 <<'EOF'
-import json
-import resource
-import statistics
-import sys
-
-import torch
-
-import train
-
-label, out_dir, peak_flops = sys.argv[1], sys.argv[2], float(sys.argv[3])
-train.main(sys.argv[4:])
-with open(f"{out_dir}/metrics.jsonl") as f:
-    steps = [json.loads(line) for line in f if '"flops_per_s"' in line]
-rate = statistics.median(step["flops_per_s"] for step in steps if step["iter"] >= 2)
-if torch.cuda.is_available():
-    peak = f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (max_memory_allocated)"
-else:  # the dry run: no GPU
-    peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (no GPU)"
-print(f"{label:8s} MFU {100 * rate / peak_flops:.3g}% ({rate:.3g} FLOP/s over {peak_flops:.3g}), {peak}")
-EOF
-    then
+measure_training() {  # label, then train.py's arguments: one line (studies/gpu_check.py), or the log's end
+    local label=$1
+    shift
+    if ! python -m studies.gpu_check training "$label" "$peak_flops" "$@" > "$work/$label.log" 2>&1; then
         echo "$label: training failed; the end of its log:"
         tail -n 5 "$work/$label.log"
         return 1
@@ -102,27 +83,21 @@ echo "== training (dataset $dataset, peak $peak_flops FLOP/s)"
 s0="$work/s0"
 common=(--dataset="$dataset" --eval_iters=2 --log_interval=1 --overwrite_checkpoint=True "${narrow[@]}")
 short=(--max_iters="$short_steps" --eval_interval=100000 --gradient_accumulation_steps=1)
-measure_training "S0 b32" "$s0" config/s0.py "${common[@]}" --batch_size=32 --gradient_accumulation_steps=1 \
-    --max_iters="$checkpoint_steps" --eval_interval="$checkpoint_steps"
-measure_training "S0 b16" "$work/s0_b16" config/s0.py "${common[@]}" "${short[@]}" --batch_size=16 || true
-measure_training "S1 b4" "$work/s1_b4" config/s1.py "${common[@]}" "${short[@]}" --batch_size=4 || true
-measure_training "S1 b16" "$work/s1_b16" config/s1.py "${common[@]}" "${short[@]}" --batch_size=16 || true
+measure_training "S0 b32" config/s0.py "${common[@]}" --out_dir="$s0" --batch_size=32 \
+    --gradient_accumulation_steps=1 --max_iters="$checkpoint_steps" --eval_interval="$checkpoint_steps"
+measure_training "S0 b16" config/s0.py "${common[@]}" "${short[@]}" --out_dir="$work/s0_b16" --batch_size=16 || true
+measure_training "S1 b4" config/s1.py "${common[@]}" "${short[@]}" --out_dir="$work/s1_b4" --batch_size=4 || true
+measure_training "S1 b16" config/s1.py "${common[@]}" "${short[@]}" --out_dir="$work/s1_b16" --batch_size=16 || true
 echo "(training: $((SECONDS - started)) s)"
 
-echo "== decoding S0 ($new_tokens new tokens, greedy; sample.py's line)"
+echo "== allocating S0 (the exits' operating thresholds, which decoding's --exit rows run)"
+python allocate.py --out_dir="$s0" --windows="$allocate_windows" --train_windows=8 > "$work/allocate.log" 2>&1 ||
+    tail -n 3 "$work/allocate.log"
+grep -E "reaches the bar, loops|Operating thresholds" "$work/allocate.log" || true
+echo "== decoding S0 ($new_tokens new tokens, greedy; sample.py's lines)"
 decode_started=$SECONDS
-depths=(--loops=4 --loops=8 --loops=16 "--exit=kl --exit_threshold=0.001" "--exit=state --exit_threshold=0.05")
-for batch in 1 32; do
-    for depth in "${depths[@]}"; do
-        # shellcheck disable=SC2086  # $depth is one or two flags, $SAMPLE_FLAGS none or more
-        if python sample.py --out_dir="$s0" --num_samples="$batch" --temperature=0 --max_new_tokens="$new_tokens" \
-            $depth ${SAMPLE_FLAGS:-} > "$work/sample.out" 2> "$work/sample.err"; then
-            printf "batch %2d  %-36s %s\n" "$batch" "$depth" "$(grep -m 1 'tokens/s' "$work/sample.err")"
-        else
-            printf "batch %2d  %-36s failed: %s\n" "$batch" "$depth" "$(tail -n 1 "$work/sample.err")"
-        fi
-    done
-done
+# shellcheck disable=SC2086  # $SAMPLE_FLAGS: none or more flags
+python -m studies.gpu_check decoding "$s0" "$new_tokens" ${SAMPLE_FLAGS:-} 2>&1 | grep -v "^W[0-9]"
 echo "(decoding: $((SECONDS - decode_started)) s)"
 
 echo "== the test suite"

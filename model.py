@@ -67,8 +67,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # in float32 whatever the autocast: bf16 is too coarse for a mean of squares
-        y = F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps)
-        return y.type_as(x)
+        return F.rms_norm(x.float(), (x.size(-1),), self.weight.float(), self.eps).type_as(x)
 
 
 class KVCache:
@@ -329,13 +328,13 @@ class GPT(nn.Module):
         tests = loops - (MIN_EXIT_LOOP - 1)  # a test after each loop from MIN_EXIT_LOOP
         return prelude + loops * loop + readouts * readout + tests * exit_test.flops(self.config)
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device):
         """AdamW with weight decay on the matrices only, fused on CUDA."""
         matrices = [p for p in self.parameters() if p.dim() >= 2]  # decayed; the norms' gains are not
         gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device.startswith("cuda"))
 
 
 # ---- per-token measures, in float32 whatever the autocast, by chunks of LOGITS_CHUNK
@@ -379,7 +378,7 @@ def state_change(s_new, s_old, relative=False):
 class ExitTest(NamedTuple):
     score: Callable  # (s_new, s_old, logits_new, logits_old) -> a score per token
     flops: Callable  # config -> FLOPs per token of one test
-    needs_logits: bool  # a readout at every loop, carried to the next (the KL exit)
+    needs_logits: bool = False  # a readout at every loop, carried to the next (the KL exit)
     threshold: float = 1e-3  # sample.py's, unless allocate.py calibrated one for the checkpoint
     policy: str = ""  # its name in allocate.py's tables (the paper's A1, A1s)
 
@@ -396,8 +395,7 @@ EXIT_TESTS = {
     # per vocabulary entry: two log-softmaxes (4 each: max, exp, sum, log), an exp, a difference, a product, a sum
     "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True, threshold=1e-3, policy="A1"),
     # per state channel: a difference and two norms (2 each: a square and a sum)
-    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, needs_logits=False, threshold=0.05,
-                      policy="A1s"),
+    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, threshold=0.05, policy="A1s"),
 }
 
 
@@ -452,19 +450,14 @@ def clock(device):
 # ---- files
 def save_atomic(path, obj):
     """Write whole or not at all (synced, then renamed over path): .pt by torch.save, else JSON."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            if path.endswith(".pt"):
-                torch.save(obj, f)
-            else:
-                f.write(json.dumps(obj, indent=2).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:  # a write that failed or was interrupted leaves no partial file (a kill -9 still may)
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with open(f"{path}.tmp", "wb") as f:
+        if path.endswith(".pt"):
+            torch.save(obj, f)
+        else:
+            f.write(json.dumps(obj, indent=2).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp", path)
 
 
 def checkpoint_id(ckpt):

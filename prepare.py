@@ -147,13 +147,16 @@ def open_dataset(name, ckpt=None, ckpt_path="", splits=("train", "val")):
     return data_dir, meta
 
 
-def open_run(out_dir, device, splits=("train", "val")):
-    """A training run's out_dir/ckpt.pt and its dataset, checked against each other -> (the model in eval mode
-    on device, the checkpoint dict, data_dir, meta): how evaluate, allocate, sample and the studies start."""
+def open_run(out_dir, device, splits=("train", "val"), writes=False):
+    """A training run's out_dir/ckpt.pt and its dataset, checked against each other (and out_dir writable, if
+    the caller writes there) -> (the model in eval mode on device, the checkpoint dict, data_dir, meta): how
+    evaluate, allocate, sample and the studies start. Every refusal comes before minutes of work."""
     from model import load_checkpoint  # here, not at the top: preparing a corpus needs no torch
     path = os.path.join(out_dir, "ckpt.pt")
     model, ckpt = load_checkpoint(path, device)
     data_dir, meta = open_dataset(ckpt["config"]["dataset"], ckpt, path, splits)
+    if writes and not os.access(out_dir, os.W_OK):
+        raise UserError(f"--out_dir={out_dir} is not writable")
     return model, ckpt, data_dir, meta
 
 
@@ -236,21 +239,16 @@ def parse_settings(argv):
     return C
 
 
-def lock_name(name):
-    """Hold data/.<name>.lock, or UserError: one prepare.py of a name at a time. Two would write into one folder
-    and swap in a mix of both. flock's lock goes with the process, so a killed run never blocks the next."""
-    os.makedirs("data", exist_ok=True)
-    lock = open(f"data/.{name}.lock", "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UserError(f"another prepare.py is writing data/{name} now: wait for it, or use another --name") from None
-    return lock  # held until it is closed (a with block, or the process's end)
-
-
 def main(argv):
     C = parse_settings(argv)
-    with lock_name(C.name):
+    # One prepare.py of a name at a time: two would write into one folder and swap in a mix of both. The
+    # lock is the OS's (flock), held until the file closes, so a killed run never blocks the next.
+    os.makedirs("data", exist_ok=True)
+    with open(f"data/.{C.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another prepare.py is writing data/{C.name} now: wait, or use another --name") from None
         write(C)
 
 
@@ -274,15 +272,12 @@ def write(C):
     else:
         train, val = text_file(C.source, C.val_fraction)
     # 3) tokenized into tmp (made before the tokenizer's work: data/ may be read-only)
-    try:
-        os.makedirs(tmp)
-        meta = write_dataset(tmp, C, train, val)
-        # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
-        if os.path.exists(out):
-            os.replace(out, old)
-        os.replace(tmp, out)
-    finally:  # a failed or interrupted run leaves no half-written tmp (after a kill -9, the next run removes it)
-        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    meta = write_dataset(tmp, C, train, val)
+    # written whole into tmp, then swapped in: a kill at any moment leaves a whole dataset, old or new
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
     print(f"wrote {out}/: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens")
 

@@ -6,9 +6,8 @@
 The sequences of a batch advance in lockstep, a token each per step; within a step every loop
 computes every row, and a row that has stopped keeps what it had (masked, not gathered: a step never
 waits for the host). Past block_size the context keeps its last half, prefilled again at --loops.
-With one sample the text is printed as it is chosen; with several, each whole at the end.
+Each sample is printed whole at the end.
 """
-import itertools
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ from functools import partial
 from math import inf
 
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters, guard_failures
 
 from configurator import UserError, configure, run
@@ -29,17 +29,16 @@ num_samples = 3  # sequences, generated as one batch
 max_new_tokens = 200  # new tokens per sequence
 temperature = 0.8  # below 1e-6: greedy (argmax)
 top_k = 200  # sample among the k likeliest tokens; 0: all
-seed = 1337  # sequence i starts and draws with seed + i
+seed = 1337  # sequence i starts and draws with the generator seed + i
 loops = 0  # loops per token at fixed depth, and the prompt's with an exit; 0: mean_loops
 exit = "none"  # per-token exit: a test of model.EXIT_TESTS, 'kl' (output settles) or 'state' (state settles)
 exit_threshold = -1.0  # a token stops once its exit score is below this; -1: allocate.py's, or the test's own
 r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_loops
-state_init = "zero"  # s_0: 'zero' (as allocate.py calibrates the exits) or 'noise' (as in training)
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
 compile = torch.cuda.is_available()  # torch.compile a decode step's three parts (on CUDA, CUDA graphs)
-RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 31), exit_threshold=(-1, inf),
-             state_init=("zero", "noise"), dtype=("float32", "bfloat16"), device=DEVICES)
+RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62), exit_threshold=(-1, inf),
+             dtype=("float32", "bfloat16"), device=DEVICES)
 
 
 def exit_threshold_for(exit, out_dir, ckpt):
@@ -55,42 +54,19 @@ def exit_threshold_for(exit, out_dir, ckpt):
     return EXIT_TESTS[exit].threshold, "the exit test's default (no allocate.json for this checkpoint)"
 
 
-def initial_states(model, n_seqs, length, mode, seed, device):
-    """s_0 of every position (n_seqs, length, d), sequence i's from generator seed + i."""
-    # a generator per sequence: a sequence's text does not depend on what else is in its batch
-    e = torch.empty(1, length, model.config.n_embd, device=device)
-    generators = [torch.Generator(device).manual_seed(seed + i) for i in range(n_seqs)]
-    return torch.cat([model.init_state(e, mode, g) for g in generators])
-
-
-def sample_next(logits, temperature, top_k, seeds, step):
-    """logits (B, V) -> next token ids (B,): the argmax, or a draw from softmax(logits / temperature), row i's
-    from seeds[i] ((B,) long) and the step alone, whatever else is in its batch, one draw for the batch."""
+def sample_next(logits, temperature, top_k, generators):
+    """logits (B, V) -> next token ids (B,), row i drawn with generators[i]."""
     if temperature < 1e-6:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k:  # only the k likeliest tokens may be drawn
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    # the Gumbel-max trick: argmax(logits + Gumbel noise) is distributed as softmax(logits)
-    return (logits + gumbel_noise(seeds, step, logits.size(-1))).argmax(-1)
-
-
-def gumbel_noise(seeds, step, vocab_size):
-    """Gumbel(0, 1) noise (B, V) hashed from (seeds[i], step, vocabulary entry): counter-based, so that no
-    generator state is drawn row by row and a row's noise never depends on the other rows."""
-    row_key = hash32(hash32(seeds % 2 ** 32) ^ step)
-    bits = hash32(hash32(torch.arange(vocab_size, device=seeds.device)) ^ row_key[:, None])
-    uniform = (bits.double() + 0.5) / 2 ** 32  # in (0, 1): both logs finite
-    return -torch.log(-torch.log(uniform)).float()
-
-
-def hash32(x):
-    """An integer hash of x (long, in [0, 2**32)) into [0, 2**32), each bit of the input moving about half of
-    the output's (T. Mueller's constant); the products stay below 2**59, so long arithmetic is exact."""
-    for _ in range(2):
-        x = ((x >> 16) ^ x) * 0x45D9F3B % 2 ** 32
-    return (x >> 16) ^ x
+    probs = F.softmax(logits, dim=-1)
+    # row by row, each with its sequence's generator: a sequence's text does not depend on what else is in its
+    # batch (about ten launches a row: a large sampled batch pays for it on a GPU; greedy draws nothing)
+    draws = [p.multinomial(1, generator=g) for p, g in zip(probs, generators)]
+    return torch.cat(draws)
 
 
 def prefill(model, caches, tokens, s, loops):
@@ -168,10 +144,9 @@ class Decoder:
         return logits
 
 
-# With an exit, the host reads "no row is looping" every LOOPS_PER_READ loops, the flag read LOOPS_AHEAD reads
-# late. A GPU runs behind the host: the host then never keeps it waiting, and the loops it runs past the deepest
-# token, every row masked, change nothing. A CPU runs ops as they come: a read after every loop, at once.
-LOOPS_PER_READ = {"cpu": 1, "cuda": 2}
+# With an exit, a GPU runs behind the host: reading loop i-1's "no row is looping" once loop i is queued, the
+# host never keeps it waiting (at most one extra loop runs, every row masked: it changes nothing). A CPU runs ops
+# as they come: no lag.
 LOOPS_AHEAD = {"cpu": 0, "cuda": 1}
 
 
@@ -180,7 +155,7 @@ class HostFlag:
 
     def __init__(self, flag):
         self.value = flag.to("cpu", non_blocking=True, copy=True)  # into pinned memory from a GPU
-        self.copied = torch.cuda.current_stream().record_event() if flag.is_cuda else None  # a CPU: at once
+        self.copied = torch.cuda.current_stream(flag.device).record_event() if flag.is_cuda else None  # a CPU: at once
 
     def read(self):
         # on a GPU this waits for the copy alone, never for the loops queued after it
@@ -199,7 +174,7 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth, compiler
     B, T0 = idx.shape
     block = model.config.block_size
     decoder = Decoder(model, s0, depth, compiler)
-    per_read, ahead = LOOPS_PER_READ[idx.device.type], LOOPS_AHEAD[idx.device.type]
+    ahead = LOOPS_AHEAD[idx.device.type]
     tokens = idx  # the prompts and every token chosen so far
     # 1) prefill: the prompt's last block_size tokens, at positions 0..
     first = max(0, T0 - block)
@@ -223,10 +198,10 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth, compiler
             decoder.pos.fill_(n_cached)
         # 4) the new token at the next position, looped until every row has stopped (at r_max at the latest)
         decoder.begin(next_token, s0[:, t:t + 1])
-        flags = []  # "no row is looping" after every per_read-th loop from MIN_EXIT_LOOP, read `ahead` reads late
+        flags = []  # "no row is looping" after each loop from MIN_EXIT_LOOP, read `ahead` loops later
         for loop in range(1, depth.r_max + 1):
             no_row_looping = decoder.loop()
-            if depth.test is not None and loop >= MIN_EXIT_LOOP and loop % per_read == 0:
+            if depth.test is not None and loop >= MIN_EXIT_LOOP:
                 flags.append(HostFlag(no_row_looping))
             if len(flags) > ahead and flags[-1 - ahead].read():
                 break
@@ -257,45 +232,30 @@ def main(argv=()):
             threshold, source = exit_threshold_for(C.exit, C.out_dir, ckpt)
         print(f"--exit={C.exit} at threshold {threshold:.3g}: {source}", file=sys.stderr)
         depth = DepthPolicy(EXIT_TESTS[C.exit], threshold, r_max)
-    if C.exit != "none" and C.state_init != "zero":  # the thresholds would be used under another start
-        print("warning: allocate.py calibrates the exits' thresholds from a zero state, not noise", file=sys.stderr)
     n = C.num_samples
-    s0 = initial_states(model, n, len(ids) + C.max_new_tokens, C.state_init, C.seed, C.device)
-    seeds = torch.arange(C.seed, C.seed + n, device=C.device)  # sequence i samples with seed + i
-    steps = itertools.count()
+    generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
+    # every token starts from a zero state, as allocate.py calibrates the exits (training's noise is for training)
+    s0 = torch.zeros(n, len(ids) + C.max_new_tokens, model.config.n_embd, device=C.device)
 
     def pick(logits):
-        return sample_next(logits, C.temperature, C.top_k, seeds, next(steps))
+        return sample_next(logits, C.temperature, C.top_k, generators)
     compiler = None  # each decode step's part one graph, on CUDA a CUDA graph (inductor alone on the CPU)
     if C.compile:
         compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
-    compiled_before = compile_counts()
     new_tokens, loops_run = [], []  # on the device, read once at the end: no wait a step
-    unprinted = []  # one sample is printed as it comes; a character may span tokens
-    if n == 1:
-        print(decode(ids), end="")
     started = clock(C.device)
     with autocast(C.device, C.dtype):
         idx = torch.tensor([ids] * n, device=C.device)
         for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth, compiler):
             new_tokens.append(next_token)
             loops_run.append(loops)
-            if n == 1:  # the one wait on the device a step
-                unprinted.append(next_token.item())
-                text = decode(unprinted)
-                if not text.endswith("\ufffd"):  # else: wait for the rest of the character
-                    print(text, end="", flush=True)
-                    unprinted = []
             if len(new_tokens) == 2:  # the first decode step (and its compilation) is the warm-up: time the others
                 started = clock(C.device)
     seconds = clock(C.device) - started
     new_ids = torch.stack(new_tokens, 1).tolist()
     loops_run = torch.stack(loops_run, 1)  # (n, max_new_tokens)
-    if n == 1:
-        print(decode(unprinted))
-    else:  # several samples: each whole
-        for row in new_ids:
-            print(decode(ids + row), end="\n---------------\n")
+    for row in new_ids:  # each sample whole (decoded together, so that no character is cut between tokens)
+        print(decode(ids + row), end="\n---------------\n")
     mean_loops = loops_run.float().mean().item()
     deepest = loops_run.amax(0).float().mean().item()  # a lockstep step waits for its deepest token
     timed = n * max(0, C.max_new_tokens - 2)  # the prefill's token and the warm-up step's are not timed
@@ -305,18 +265,12 @@ def main(argv=()):
     loops_run = loops_run.flatten().tolist()
     histogram = [f"{k}:{loops_run.count(k)}" for k in sorted(set(loops_run))]
     print("loops per new token (loops:tokens):", *histogram, file=sys.stderr)
-    if C.compile:  # proof that the graphs held: what this run compiled, and anything that undid it
-        compiled = {key: count - compiled_before[key] for key, count in compile_counts().items()}
-        print("compiled:", ", ".join(f"{count} {key}" for key, count in compiled.items()), file=sys.stderr)
+    if C.compile:  # proof that the graphs held: what torch.compile did in this process
+        recompiled = sum(len(reasons) for reasons in guard_failures.values())  # a guard failed: compiled again
+        print(f"compiled: {counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph "
+              f"breaks, {recompiled} recompilations, {counters['inductor']['cudagraph_skips']} CUDA-graph skips",
+              file=sys.stderr)
     return new_ids
-
-
-def compile_counts():
-    """torch.compile's running counts: graphs compiled, graph breaks, recompilations (a guard that failed, so
-    that a step compiled again) and CUDA-graph skips (a graph that runs without one)."""
-    return {"graphs": counters["stats"]["unique_graphs"], "graph breaks": sum(counters["graph_break"].values()),
-            "recompilations": sum(len(reasons) for reasons in guard_failures.values()),
-            "CUDA-graph skips": counters["inductor"]["cudagraph_skips"]}
 
 
 if __name__ == "__main__":

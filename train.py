@@ -1,7 +1,7 @@
 """Train a depth-recurrent transformer with randomized depth and truncated backprop.
 
-    python train.py                 # the CPU default: Shakespeare, ~10 min on 2 cores
-    python train.py config/s0.py    # a config file, then --key=value, override the settings below
+    python prepare.py && python train.py   # the CPU default: Shakespeare, ~10 min on 2 cores
+    python train.py config/s0.py           # a config file, then --key=value, override the settings below
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
 
 Each step draws its depth r from a LogNormal, the same on every rank, and runs r - bptt_k loops
@@ -44,8 +44,6 @@ mean_loops = 8  # median of the loop distribution
 loop_spread = 0.5  # sigma of the LogNormal over loops (the paper's 0.5)
 max_loops = 32  # loops are clamped to this
 bptt_k = 8  # loops that get gradients (the last ones)
-rope_theta = 10000.0  # rotary embedding base
-norm_eps = 1e-5  # RMSNorm epsilon
 state_std = math.sqrt(2 / 5)  # std of the noise initial state
 loop_dist = "lognormal"  # 'lognormal' (randomized) or 'fixed' (mean_loops)
 # optimizer
@@ -63,18 +61,16 @@ guard_grace_iters = 100  # steps before the 0.1% budget of skipped steps applies
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
-compile_backend = "inductor"  # a torch._dynamo backend (aot_eager needs no C++ compiler)
 seed = 1337  # seeds the depths, data order and noise
 
 # the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
 RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
-         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1),  # seed * 1_000_003 + step must fit 64 bits
-         "compile_backend": tuple(torch._dynamo.list_backends(exclude_tags=()))}
+         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step must fit 64 bits
 RULES |= dict.fromkeys(["max_iters", "eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
                         "batch_size", "block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "n_core",
-                        "mean_loops", "max_loops", "bptt_k", "rope_theta"], (1, math.inf))  # n_prelude, n_coda, state_std: 0
-MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name != "vocab_size"]
+                        "mean_loops", "max_loops", "bptt_k"], (1, math.inf))  # n_prelude, n_coda, state_std may be 0
+MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name in globals()]  # vocab_size: the dataset's
 
 
 def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal", spread=0.5):
@@ -152,17 +148,6 @@ def check_skips(skipped, it, grace):
         raise UserError(f"iter {it}: {len(skipped)} non-finite steps exceed 0.1% of {steps_so_far}")
 
 
-def prepare_model(model, C, device):
-    """The model moved to device, each part compiled on its own if asked (a new depth never recompiles) -> its AdamW."""
-    model.to(device).train()  # a resumed model comes from load_checkpoint in eval mode
-    if C.compile:
-        print(f"compiling prelude, core and coda ({C.compile_backend})")
-        for part in (model.prelude_blocks, model.core, model.coda_blocks):
-            part.compile(backend=C.compile_backend)
-    device_type = device.split(":")[0]
-    return model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device_type)
-
-
 @torch.no_grad()
 def estimate_loss(model, data_dir, meta, shape, C, device):
     """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation (streams of
@@ -220,26 +205,24 @@ def main(argv=()):
             raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
     settings = vars(C) | saved  # what the run is, saved with each checkpoint
     # 3) out_dir must take our files: found now (an OSError, one line), not at the first save
-    if rank > 0:
-        metrics_path = os.devnull
     os.makedirs(C.out_dir, exist_ok=True)
-    metrics = open(metrics_path, "a" if ckpt else "w", buffering=1)  # JSON lines: a resumed run appends
-    if settings["dataset"] == "shakespeare" and not os.path.isfile("data/shakespeare/meta.json"):
-        if rank == 0:  # the default corpus prepares itself
-            print("no data/shakespeare/ yet: running `python prepare.py` first")
-            prepare.main([])
-        if world > 1:
-            dist.barrier()
     data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
     # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
     if not ckpt:
         shape = {key: getattr(C, key) for key in MODEL_KEYS}
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **shape))
     config = model.config
-    optimizer = prepare_model(model, C, device)
+    model.to(device).train()  # a resumed model comes from load_checkpoint in eval mode
+    if C.compile:  # each part on its own: a new depth never recompiles
+        print("compiling prelude, core and coda")
+        for part in (model.prelude_blocks, model.core, model.coda_blocks):
+            part.compile()
+    optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device)
     if world > 1:  # every rank starts from rank 0's weights (each drew its own)
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
+    # JSON lines, rank 0's (a resumed run appends), opened once every rank has passed the checks above
+    metrics = open(metrics_path if rank == 0 else os.devnull, "a" if ckpt else "w", buffering=1)
     g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)  # each rank reads its own batches
     start = 0
     run_id = os.urandom(8).hex()  # names the run in its checkpoints, and in what is computed from them
@@ -252,8 +235,8 @@ def main(argv=()):
         optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
         g_data.set_state(rng["data"][rank])
         torch.set_rng_state(rng["torch"][rank])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"][rank])
+        if "cuda" in rng and "cuda" in device:
+            torch.cuda.set_rng_state(rng["cuda"][rank], device)
         start = ckpt["iter_num"]
         run_id = ckpt["config"].get("run_id", run_id)
     settings |= {"dataset_meta": meta, "run_id": run_id}
@@ -261,7 +244,7 @@ def main(argv=()):
     # 5) train, evaluating every eval_interval steps and at the end
     history = []
     skipped = []
-    end = max(start, C.max_iters)
+    end = C.max_iters  # beyond start: a resumed run that would train nothing was refused
     for it in range(start, end + 1):
         # evaluate; save if the val loss is finite (a non-finite weight would make it so: every weight feeds it)
         if it % C.eval_interval == 0 or it == end:
@@ -276,8 +259,8 @@ def main(argv=()):
             elif it > start:  # (at the start: the checkpoint resumed from, or an untrained model)
                 # every rank's RNG streams, {stream: [its state on each rank]}, so that each rank resumes exactly
                 mine = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
-                if torch.cuda.is_available():
-                    mine["cuda"] = torch.cuda.get_rng_state()
+                if "cuda" in device:
+                    mine["cuda"] = torch.cuda.get_rng_state(device)
                 ranks = [mine] * world
                 if world > 1:
                     dist.all_gather_object(ranks, mine)

@@ -164,9 +164,6 @@ def test_probe_learns_a_separable_toy_problem():
     y = (x[:, 0] - 2.0) + 0.5 * (x[:, 1] - 2.0) > 0.3
     probe = allocate.fit_probe(x[:500], y[:500])
     assert ((probe(x[500:]) > 0.5) == y[500:]).float().mean() > 0.95  # on points it did not see
-    # (loops, tokens): token 0's argmax changes after loop 1, token 1's never; the last loop has no label
-    traced = {"argmax": torch.tensor([[1, 1], [2, 1], [2, 1]]), "probe": torch.tensor([[0.9, 0.2], [0.1, 0.4], [0.7, 0.7]])}
-    assert allocate.probe_accuracy(traced) == {"accuracy": 1.0, "majority": 0.75}
 
 
 def test_policies_are_read_off_a_hand_made_trace(trained):
@@ -332,7 +329,7 @@ def test_main_writes_the_table_and_the_bar_in_loops_and_flops(trained, monkeypat
     assert [row["loops"] for row in saved["table"]] == [3 * f / 8 for f in range(3, 8)]
     uniform_flops_at_bar = model.inference_flops(saved["at_bar"]["A0"]["loops"]["value"], 32)  # linear in loops
     assert saved["at_bar"]["A0"]["flops"]["value"] == pytest.approx(uniform_flops_at_bar)
-    assert saved["at_bar"]["A0"]["loops"]["value"] <= 3 and 0 <= saved["probe"]["accuracy"] <= 1
+    assert saved["at_bar"]["A0"]["loops"]["value"] <= 3
     d = per_window["A1 loops"][0]  # per window: the KL exit pays a readout and a test every loop
     kl_flops = model.inference_flops(d, 32) + (d - 1) * (model.flop_terms(32)[2] + EXIT_TESTS["kl"].flops(model.config))
     assert per_window["A1 flops"][0] == pytest.approx(kl_flops)

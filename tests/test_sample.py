@@ -4,7 +4,6 @@ allocate.py's engine. References: nanoGPT's uncached generate for fixed depth, a
 uncached depth-wise recomputation implementing the documented K/V rule (a stopped token is seen by later
 loops as it was at its last loop)."""
 import copy
-import itertools
 import json
 import os
 import random
@@ -90,6 +89,14 @@ def tiny(workdir, monkeypatch):
     return model, torch.tensor([encode("The king said to my lord")])
 
 
+def initial_states(model, n_seqs, length, mode, seed, device="cpu"):
+    """s_0 of every position (n_seqs, length, d), sequence i's from the generator seed + i: zeros (sample.py's
+    start, allocate.py's) or training's noise. generate takes any s_0; its references hold for both."""
+    e = torch.empty(1, length, model.config.n_embd, device=device)  # init_state's shape
+    generators = [torch.Generator(device).manual_seed(seed + i) for i in range(n_seqs)]
+    return torch.cat([model.init_state(e, mode, g) for g in generators])
+
+
 def small_block(model, block_size=16):
     """The tiny model in float64 (batch shapes cannot flip a decision by rounding), its context cut
     to block_size: the crop rule then acts every block_size // 2 tokens."""
@@ -103,10 +110,9 @@ def GREEDY(logits):
 
 
 def sampler(seed, n):
-    """Sampling at temperature 1, sequence i with seed + i, the step counted from 0 (as sample.main does)."""
-    seeds = torch.arange(seed, seed + n)
-    steps = itertools.count()
-    return lambda logits: sample.sample_next(logits, 1.0, 0, seeds, next(steps))
+    """Sampling at temperature 1, sequence i with the generator seed + i (as sample.main does)."""
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(n)]
+    return partial(sample.sample_next, temperature=1.0, top_k=0, generators=generators)
 
 
 def recording(pick, seen):
@@ -258,7 +264,7 @@ def test_the_reference_is_nanogpts_generate_at_one_loop(tiny):
 def test_fixed_depth_equals_the_reference(tiny, loops, mode):
     model, idx = tiny
     idx = idx.expand(2, -1)  # a batch of two: with noise init the rows differ
-    s0 = sample.initial_states(model, 2, idx.size(1) + 16, mode, 7, "cpu")
+    s0 = initial_states(model, 2, idx.size(1) + 16, mode, 7, "cpu")
     for pick in (GREEDY, sampler(0, 2)):
         seen = []
         out, depths = generate_all(model, idx, 16, s0, recording(pick, seen), uniform_depth(loops))
@@ -278,7 +284,7 @@ def test_generation_far_past_block_size_equals_the_reference(tiny, monkeypatch, 
     reference's (noise init: each token starts from its own row of s0 in both)."""
     model = small_block(tiny[0])
     idx = prompts(3, T0)
-    s0 = sample.initial_states(model, 3, T0 + 60, "noise", 3, "cpu").double()
+    s0 = initial_states(model, 3, T0 + 60, "noise", 3, "cpu").double()
     prefills = counting_prefills(monkeypatch)
     out, depths = generate_all(model, idx, 60, s0, GREEDY, uniform_depth(loops))
     for b in range(3):
@@ -332,11 +338,11 @@ def test_batched_adaptive_generation_equals_each_sequence_alone(tiny, exit):
     test = EXIT_TESTS[exit]
     policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS + 2)
     for mode, make_pick in (("zero", lambda seed, n: GREEDY), ("noise", sampler)):
-        s0 = sample.initial_states(model, 3, idx.size(1) + 40, mode, 11, "cpu").double()
+        s0 = initial_states(model, 3, idx.size(1) + 40, mode, 11, "cpu").double()
         out, depths = generate_all(model, idx, 40, s0, make_pick(11, 3), uniform_depth(2), policy)
         assert len({tuple(d.tolist()) for d in depths}) > 1  # the sequences really ran different depths
         for b in range(3):
-            s0_b = sample.initial_states(model, 1, idx.size(1) + 40, mode, 11 + b, "cpu").double()
+            s0_b = initial_states(model, 1, idx.size(1) + 40, mode, 11 + b, "cpu").double()
             out_b, depths_b = generate_all(model, idx[b:b + 1], 40, s0_b, make_pick(11 + b, 1),
                                            uniform_depth(2), policy)
             assert torch.equal(out_b[0], out[b]) and torch.equal(depths_b[0], depths[b])
@@ -346,7 +352,7 @@ def test_batched_adaptive_generation_equals_each_sequence_alone(tiny, exit):
 def test_adaptive_threshold_zero_is_fixed_r_max_and_huge_stops_at_loop_2(tiny, exit):
     model, idx = tiny
     test = EXIT_TESTS[exit]
-    s0 = sample.initial_states(model, 1, idx.size(1) + 20, "noise", 3, "cpu")
+    s0 = initial_states(model, 1, idx.size(1) + 20, "noise", 3, "cpu")
     fixed, _ = generate_all(model, idx, 20, s0, GREEDY, uniform_depth(MAX_LOOPS))
     never = DepthPolicy(test, 0.0, MAX_LOOPS)
     adaptive, depths = generate_all(model, idx, 20, s0, GREEDY, uniform_depth(MAX_LOOPS), never)
@@ -381,7 +387,7 @@ def test_the_cache_holds_each_tokens_last_loop(tiny):
         if n_layers == model.config.n_core:
             core_caches.append(cache)
         return cache
-    s0 = sample.initial_states(model, 1, idx.size(1) + len(schedule) + 1, "zero", 0, "cpu")
+    s0 = initial_states(model, 1, idx.size(1) + len(schedule) + 1, "zero", 0, "cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_lib.CacheView, "write", recording_write)
         mp.setattr(model, "new_cache", recording_new_cache)
@@ -443,7 +449,7 @@ def test_a_decode_step_reads_nothing_on_the_host_but_its_exit_flags(tiny, exit):
     policy = uniform_depth(3)
     if exit != "none":
         policy = DepthPolicy(EXIT_TESTS[exit], typical_threshold(model, EXIT_TESTS[exit]), MAX_LOOPS + 2)
-    s0 = sample.initial_states(model, 3, idx.size(1) + 30, "noise", 5, "cpu").double()
+    s0 = initial_states(model, 3, idx.size(1) + 30, "noise", 5, "cpu").double()
     with CountingSyncs() as syncs:
         _, depths = generate_all(model, idx, 30, s0, sampler(5, 3), uniform_depth(2), policy)
     deepest = depths[:, 1:].amax(0)  # (steps,): each decode step's deepest token
@@ -497,9 +503,9 @@ def test_a_new_token_launches_at_most_30_ops_outside_compiled_code_at_s0s_shape(
 
 
 @pytest.mark.parametrize("exit", ["none", "kl"])
-def test_main_waits_once_per_token_for_one_sample_and_never_for_several(tiny, capsys, exit):
-    """The one wait a step is the streamed token's; several samples are read once, at the end."""
-    for n_samples, per_token in ((1, 1), (3, 0)):
+def test_main_never_waits_for_a_token(tiny, capsys, exit):
+    """The new tokens stay on the device, read once at the end: no wait a step but an exit's flag reads."""
+    for n_samples in (1, 3):
         counts = []
         for n_new in (10, 30):
             with CountingSyncs() as syncs:
@@ -507,7 +513,7 @@ def test_main_waits_once_per_token_for_one_sample_and_never_for_several(tiny, ca
                          "--exit_threshold=0", "--r_max=2")  # the exit runs 2 loops: one flag read a token
             counts.append(syncs.count)
         exit_reads = 0 if exit == "none" else 1
-        assert (counts[1] - counts[0]) == 20 * (per_token + exit_reads)
+        assert (counts[1] - counts[0]) == 20 * exit_reads
 
 
 def counting_calls(calls):
@@ -520,23 +526,22 @@ def counting_calls(calls):
     return compiler
 
 
-def test_a_gpu_reads_a_flag_every_two_loops_one_read_late_and_the_extra_loops_change_nothing(tiny, monkeypatch):
-    """LOOPS_PER_READ and LOOPS_AHEAD as on CUDA, run on the CPU: a step runs past its deepest token (up to
-    the next read, fully masked) except at r_max, and every token and depth is what reading at once gives."""
+def test_a_gpu_reads_each_flag_one_loop_late_and_the_extra_loop_changes_nothing(tiny, monkeypatch):
+    """LOOPS_AHEAD as on CUDA, run on the CPU: every step runs one loop past its deepest token (fully masked),
+    except at r_max, and every token and depth is what reading at once gives."""
     model = small_block(tiny[0])
     idx = prompts(3)
     test = EXIT_TESTS["kl"]
     policy = DepthPolicy(test, typical_threshold(model, test), MAX_LOOPS + 2)
-    s0 = sample.initial_states(model, 3, idx.size(1) + 30, "noise", 2, "cpu").double()
+    s0 = initial_states(model, 3, idx.size(1) + 30, "noise", 2, "cpu").double()
     at_once = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy)
-    monkeypatch.setitem(sample.LOOPS_PER_READ, "cpu", 2)
     monkeypatch.setitem(sample.LOOPS_AHEAD, "cpu", 1)
     calls = []
     late = generate_all(model, idx, 30, s0, sampler(2, 3), uniform_depth(2), policy, counting_calls(calls))
     assert torch.equal(late[0], at_once[0]) and torch.equal(late[1], at_once[1])
-    deepest = at_once[1][:, 1:].amax(0)  # each step's deepest token: its flag is read at the next even loop + 2
-    ran = torch.clamp(deepest + deepest % 2 + 2, max=MAX_LOOPS + 2)
-    assert calls.count("loop") == ran.sum() and (ran > deepest).any() and calls.count("begin") == 29
+    deepest = at_once[1][:, 1:].amax(0)  # each step's deepest token: its flag is read one loop later
+    assert calls.count("loop") == (deepest + (deepest < MAX_LOOPS + 2)).sum() and (deepest < MAX_LOOPS + 2).any()
+    assert calls.count("begin") == calls.count("end") == 29
 
 
 def test_the_compiled_decode_steps_equal_eager_without_graph_breaks_or_recompiles(tiny, fresh_compiler):
@@ -565,7 +570,7 @@ needs_cuda = pytest.mark.cuda  # skipped without a GPU; with one, the scripts ke
 def test_on_cuda_a_decode_step_at_uniform_depth_never_syncs(tiny):
     model = tiny[0].cuda()
     idx = tiny[1].cuda()
-    s0 = sample.initial_states(model, 1, idx.size(1) + 20, "zero", 0, "cuda")
+    s0 = initial_states(model, 1, idx.size(1) + 20, "zero", 0, "cuda")
     torch.cuda.set_sync_debug_mode("error")  # a synchronizing CUDA call raises
     try:
         steps = list(sample.generate(model, idx, 20, s0, GREEDY, 2, uniform_depth(3)))
@@ -612,27 +617,11 @@ def test_main_compiled_says_how_many_graphs_ran_and_that_none_broke_recompiled_o
     assert "compiled: 3 graphs, 0 graph breaks, 0 recompilations, 0 CUDA-graph skips" in compiled[2]
 
 
-def test_batched_sampling_draws_from_the_softmax_with_each_rows_own_seed():
-    """One draw for the whole batch (Gumbel-max on noise hashed from each row's seed and the step): a row's
-    token depends on its seed and step alone, and over many seeds the tokens follow softmax(logits / T)."""
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).expand(20000, 5)
-    seeds = torch.arange(20000)
-    drawn = sample.sample_next(logits, 1.0, 0, seeds, step=3)
-    frequencies = torch.bincount(drawn, minlength=5) / 20000
-    expected = torch.softmax(logits[0], -1)
-    assert (frequencies - expected).abs().max() < 0.012  # about 4 standard errors at p = 0.64
-    assert torch.equal(sample.sample_next(logits[:3], 1.0, 0, seeds[[7, 8, 9]], 3), drawn[7:10])  # batch-free
-    assert not torch.equal(sample.sample_next(logits, 1.0, 0, seeds, 4), drawn)  # the step moves the draw
-    top2 = sample.sample_next(logits, 0.5, 2, seeds, 3)
-    assert set(top2.tolist()) == {0, 1}  # top_k: only the two likeliest
-    assert abs((top2 == 0).float().mean() - torch.sigmoid(torch.tensor(2.0))) < 0.012  # p(0) = e^4 / (e^4 + e^2)
-
-
 # ---- dtype -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("exit", ["none", "kl", "state"])
 def test_bfloat16_autocast_generates_close_to_float32(tiny, exit):
     model, idx = tiny
-    s0 = sample.initial_states(model, 1, idx.size(1) + 20, "zero", 0, "cpu")
+    s0 = initial_states(model, 1, idx.size(1) + 20, "zero", 0, "cpu")
     policy = uniform_depth(2) if exit == "none" else DepthPolicy(EXIT_TESTS[exit], 1e-3, MAX_LOOPS)
     first = {}
     for dtype in ("float32", "bfloat16"):
@@ -681,41 +670,25 @@ def test_printed_text_and_reproducible_sampling(tiny, capsys):
     assert run_main(capsys, "--num_samples=2", "--temperature=1.0", "--seed=5")[1] == text
     assert run_main(capsys, "--num_samples=2", "--temperature=1.0", "--seed=6")[1] != text
     alone = run_main(capsys, "--num_samples=1", "--temperature=1.0", "--seed=5")[1]
-    assert alone == text.split(SEP)[0] + "\n"  # sequence 0 is the same alone
-
-
-def test_one_sample_is_printed_as_it_is_chosen(tiny, capsys, monkeypatch):
-    """With one sample the user sees the text grow: after each step, what was printed so far."""
-    printed = []
-    real_generate = sample.generate
-
-    def watched(*args):
-        for step in real_generate(*args):
-            yield step
-            printed.append(capsys.readouterr().out)  # main has handled the step
-    monkeypatch.setattr(sample, "generate", watched)
-    new_ids, rest, _ = run_main(capsys, "--num_samples=1", "--temperature=0")
-    steps_with_text = sum(1 for piece in printed if piece)
-    assert steps_with_text >= 20  # a character split over tokens waits for its last token
-    assert printed[0].startswith("The king")
-    encode, decode = prepare.load_tokenizer("data/tiny")
-    assert "".join(printed) + rest == decode(encode("The king") + new_ids[0]) + "\n"
+    assert alone == text.split(SEP)[0] + SEP  # sequence 0 is the same alone
 
 
 def test_main_starts_from_zero_and_reports_loops(tiny, capsys, monkeypatch):
+    """Every token's loops start from a zero state, as allocate.py calibrates the exits: the state it
+    generates from is zeros, whatever the seed, and the report counts each new token's loops."""
     args = ("--num_samples=2", "--exit=kl", "--exit_threshold=1e-3", "--seed=1")
-    inits = []
-    real_initial_states = sample.initial_states
-    monkeypatch.setattr(sample, "initial_states", lambda *a: inits.append(a[3]) or real_initial_states(*a))
+    starts = []
+    real_generate = sample.generate
+
+    def watched(model, idx, max_new_tokens, s0, *rest):
+        starts.append(s0)
+        return real_generate(model, idx, max_new_tokens, s0, *rest)
+    monkeypatch.setattr(sample, "generate", watched)
     _, text, err = run_main(capsys, *args)
     assert text.count(SEP) == 2 and text.startswith("The king")
     assert re.search(r"^loops per new token \(loops:tokens\):( \d+:\d+)+$", err, re.M)
-    assert "warning" not in err
     assert run_main(capsys, *args)[1] == text
-    assert "warning" not in run_main(capsys, "--num_samples=1", "--state_init=noise")[2]  # no exit: no thresholds
-    _, _, err = run_main(capsys, *args, "--state_init=noise")
-    assert inits == ["zero", "zero", "noise", "noise"]  # zero unless told: allocate.py calibrates from zero
-    assert "\nwarning: allocate.py calibrates the exits' thresholds from a zero state" in err
+    assert all(not s0.any() for s0 in starts) and starts[0].shape == (2, len(starts[0][0]), 32)
 
 
 @pytest.mark.parametrize("exit", ["kl", "state"])
@@ -744,7 +717,7 @@ def test_the_exit_threshold_is_allocates_for_this_checkpoint_else_the_tests_own(
 def test_every_decoded_depth_moves_with_min_exit_loop(tiny, monkeypatch):
     """MIN_EXIT_LOOP = 3: a huge threshold stops every new token at loop 3, not 2."""
     model, idx = tiny
-    s0 = sample.initial_states(model, 1, idx.size(1) + 10, "zero", 0, "cpu")
+    s0 = initial_states(model, 1, idx.size(1) + 10, "zero", 0, "cpu")
     at_once = DepthPolicy(EXIT_TESTS["state"], 1e9, MAX_LOOPS)
     monkeypatch.setattr(model_lib, "MIN_EXIT_LOOP", 3)
     _, depths = generate_all(model, idx, 10, s0, GREEDY, uniform_depth(2), at_once)
@@ -792,7 +765,7 @@ def test_help_lists_every_setting_with_its_comment(capsys):
     assert err.value.code == 0
     text = capsys.readouterr().out
     settings = configurator.read_settings(vars(sample))
-    assert {"out_dir", "exit", "r_max", "state_init"} <= set(settings)
+    assert {"out_dir", "exit", "r_max", "exit_threshold"} <= set(settings)
     for key, (default, comment) in settings.items():
         assert comment and re.search(rf"^  --{key}={re.escape(repr(default))}\s+{re.escape(comment)}$", text, re.M)
 

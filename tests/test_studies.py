@@ -1,6 +1,12 @@
 """Tests for the studies built on the core (studies/): the saturation depth, the speed at each depth, the exit
 depth by token class. On a tiny model trained here (test_evaluate.py's), and on hand-made curves and traces."""
+import ast
+import importlib.util
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +16,9 @@ import allocate
 import configurator
 import evaluate
 from evaluate import load_windows
-from model import load_checkpoint
+from model import GPT, GPTConfig, checkpoint_id, load_checkpoint
 from prepare import load_tokenizer
-from studies import saturation, timing
+from studies import laptop, probe, saturation, saturation_table, timing
 from studies import token_classes as studies_token_classes
 from test_allocate import train_tiny
 
@@ -171,3 +177,180 @@ def test_token_classes_refuse_an_allocate_json_of_another_checkpoint(indir, caps
     allocated = json.loads(path.read_text())
     path.write_text(json.dumps(allocated | {"checkpoint": "another@1"}))
     assert "not of ckpt.pt" in one_line_error(capsys, studies_token_classes.main, ["--out_dir=out"])
+
+
+# ---- the saturation study's table (studies/saturation_table.py) ------------------------------------------
+def test_training_flops_count_the_depth_drawn_for_each_step():
+    settings = {"batch_size": 2, "block_size": 32, "gradient_accumulation_steps": 3, "seed": 1, "mean_loops": 4,
+                "max_loops": 16, "loop_dist": "fixed", "loop_spread": 1.0, "bptt_k": 2}
+    model_args = {"vocab_size": 64, "n_embd": 32, "n_head": 2, "n_kv_head": 1, "ffn_hidden": 64, "block_size": 32,
+                  "n_prelude": 1, "n_core": 1, "n_coda": 1, "mean_loops": 4, "max_loops": 16, "bptt_k": 2}
+    ckpt = {"config": settings, "model_args": model_args, "iter_num": 10}
+    model = GPT(GPTConfig(**model_args))
+    tokens = 10 * 2 * 32 * 3  # steps x a step's tokens
+    assert saturation_table.training_flops(ckpt) == tokens * model.flops_per_token(4, 2, 32)
+    # drawn from a LogNormal (spread 1: depths from 1 to 16), the steps' FLOPs lie between the extremes'
+    ckpt["config"] = settings | {"loop_dist": "lognormal"}
+    per_token = saturation_table.training_flops(ckpt) / tokens
+    assert model.flops_per_token(1, 1, 32) < per_token < model.flops_per_token(16, 2, 32)
+    assert per_token != model.flops_per_token(4, 2, 32)
+
+
+def measured_copy(name, windows):
+    """name/ckpt.pt: out's checkpoint, evaluated on `windows` windows, with its saturation.json."""
+    Path(name).mkdir(exist_ok=True)
+    shutil.copy("out/ckpt.pt", f"{name}/ckpt.pt")
+    evaluate.main([f"--out_dir={name}", f"--windows={windows}", "--batch_size=4"])
+    saturation.main([f"--out_dir={name}"])
+
+
+def test_saturation_table_of_two_runs(indir, capsys):
+    measured_copy("out-a", 6)
+    measured_copy("out-b", 3)
+    capsys.readouterr()
+    rows = saturation_table.main(["--runs=out-a,out-b", f"--figure={indir / 'saturation.png'}"])
+    out = capsys.readouterr().out
+    assert out.startswith("| " + " | ".join(saturation_table.HEADERS) + " |")
+    assert [row[0] for row in rows] == ["out-a", "out-b"] and out.count("\n| out-") == 2
+    _, ckpt = load_checkpoint("out-a/ckpt.pt")
+    for row in rows:
+        evaluated = json.loads(Path(row[0], "eval.json").read_text())
+        saturated = json.loads(Path(row[0], "saturation.json").read_text())
+        loss_at = {r["loops"]: r["loss"] for r in evaluated["elasticity"]}
+        assert row[1:5] == [3, 0.5, 1337, 60]  # train_tiny's mean, spread, seed and steps
+        assert row[5] == f"{saturation_table.training_flops(ckpt) / 1e15:.3f}"
+        assert row[6] == evaluate.show(saturated["depth"], "g")
+        assert row[8] == f"{loss_at[saturated['depth']['value']]:.4f}" and row[9] == f"{min(loss_at.values()):.4f}"
+        assert row[10] == f"{evaluated['convergence']['median_depth']:g}"
+    if importlib.util.find_spec("matplotlib") is not None:  # the figure, where matplotlib is installed
+        assert (indir / "saturation.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_saturation_table_without_matplotlib_prints_the_table_and_one_line(indir, capsys, monkeypatch):
+    measured_copy("out-a", 6)
+    capsys.readouterr()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    figure = indir / "no-matplotlib.png"
+    saturation_table.main(["--runs=out-a", f"--figure={figure}"])
+    captured = capsys.readouterr()
+    assert "| out-a |" in captured.out and not figure.exists()
+    assert captured.err.count("\n") == 1 and "pip install -r studies/requirements.txt" in captured.err
+
+
+def test_saturation_table_refuses_a_run_not_measured(indir, capsys):
+    measured_copy("out-a", 6)
+    Path("out-c").mkdir(exist_ok=True)
+    shutil.copy("out/ckpt.pt", "out-c/ckpt.pt")
+    shutil.copy("out-a/eval.json", "out-c/eval.json")
+    stderr = one_line_error(capsys, saturation_table.main, ["--runs=out-a,out-c"])
+    assert "run `python -m studies.saturation --out_dir=out-c`" in stderr
+    saturated = json.loads(Path("out-a/saturation.json").read_text())
+    Path("out-c/saturation.json").write_text(json.dumps(saturated | {"checkpoint": "another@1"}))
+    assert "not of ckpt.pt" in one_line_error(capsys, saturation_table.main, ["--runs=out-c"])
+
+
+# ---- the laptop study's parity, generation speed and bracket (studies/laptop.py) ----------------------------
+def write_metrics(run_dir, rates):
+    """run_dir/metrics.jsonl as train.py logs it: an evaluation's line, then a line per step with its FLOP/s."""
+    run_dir.mkdir(exist_ok=True)
+    lines = [json.dumps({"iter": 0, "train_loss": 7.0, "val_loss": 7.0})]
+    for step, rate in enumerate(rates):
+        lines.append(json.dumps({"iter": step, "loss": 5.0, "loops": 3, "lr": 1e-3, "flops_per_s": rate}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_parity_is_the_ratio_of_the_median_logged_flop_rates(tmp_path):
+    write_metrics(tmp_path / "recurrent", [3e10, 1e10, 2e10, 9e10])  # median 2.5e10: an outlier moves it little
+    write_metrics(tmp_path / "dense", [2e10, 1e9, 2e10])
+    assert laptop.median_flop_rate(tmp_path / "recurrent") == 2.5e10
+    assert laptop.median_flop_rate(tmp_path / "dense") == 2e10
+    write_metrics(tmp_path / "untrained", [])
+    with pytest.raises(configurator.UserError, match="logs no step"):
+        laptop.median_flop_rate(tmp_path / "untrained")
+
+
+def test_tokens_per_second_from_samples_report():
+    report = ("--exit=kl at threshold 0.004: calibrated\n"
+              "1234.5 tokens/s (1008 timed), 5.20 loops (a step's deepest 7.00), 3.1 MFLOP per token, float32\n"
+              "loops per new token (loops:tokens): 2:10 3:100\n")
+    assert laptop.tokens_per_second(report) == 1234.5
+    with pytest.raises(configurator.UserError, match="no tokens/s"):
+        laptop.tokens_per_second("at 12 tokens/s (not at a line's start)")
+
+
+def test_bracket_on_hand_made_rates():
+    """README's CPU default: A1 at the bar at 5.47 loops against r=8; uniform r=5 at 1.48x r=8's tokens/s."""
+    assert laptop.bracket_settings(8, 5.47, 0.004) == {"uniform": ("--loops=8",), "matched": ("--loops=5",),
+                                                       "realized": ("--exit=kl", "--exit_threshold=0.004")}
+    points = laptop.bracket(8, 5.47, {"uniform": 100.0, "matched": 148.0, "realized": 64.0})
+    assert points == pytest.approx({"loops_saved": 1 - 5.47 / 8, "best_case": 1.48, "realized": 0.64})
+
+
+def test_laptop_study_times_each_setting_once_and_reads_the_bracket_off_them(indir, capsys, monkeypatch, tmp_path):
+    write_metrics(tmp_path / "recurrent", [3e10])
+    write_metrics(tmp_path / "dense", [2e10])
+    _, ckpt = load_checkpoint("out/ckpt.pt")
+    allocated = {"checkpoint": checkpoint_id(ckpt), "mean_loops": 3, "at_bar": {"A1": {"loops": {"value": 2.4}}},
+                 "operating_thresholds": {"kl": 0.005, "state": 0.05}}
+    Path("out/allocate.json").write_text(json.dumps(allocated))
+    rate_of = {("--loops=3",): 100.0, ("--loops=2",): 130.0, ("--exit=kl", "--exit_threshold=0.005"): 80.0}
+    timed = []
+
+    def fake_rate(out_dir, batch, args, max_new_tokens):
+        timed.append((batch, args))
+        return rate_of.get(args, 50.0) * batch
+    monkeypatch.setattr(laptop, "generation_rate", fake_rate)
+    argv = ["--out_dir=out", f"--recurrent_dir={tmp_path / 'recurrent'}", f"--dense_dir={tmp_path / 'dense'}"]
+    result = laptop.main(argv)
+    assert len(timed) == len(set(timed)) == len(laptop.GENERATIONS) + 5  # batch 8's --loops=2 is the table's
+    assert result["parity"] == 1.5
+    for batch in laptop.BRACKET_BATCHES:
+        assert result["bracket"][batch] == pytest.approx({"loops_saved": 0.2, "best_case": 1.3, "realized": 0.8})
+    assert "realized 0.80x" in capsys.readouterr().out
+    assert json.loads(Path("out/laptop.json").read_text())["bracket"]["8"]["best_case"] == pytest.approx(1.3)
+    allocated["at_bar"]["A1"]["loops"]["value"] = None  # A1 never reaches the bar: the table, no bracket
+    Path("out/allocate.json").write_text(json.dumps(allocated))
+    timed.clear()
+    assert laptop.main(argv)["bracket"] == {} and len(timed) == len(laptop.GENERATIONS)
+    assert "no bracket" in capsys.readouterr().out
+
+
+def test_generation_rate_runs_sample_py(indir, monkeypatch):
+    """The one contract with sample.py: the tokens/s its report on stderr begins with; a refusal is its last line."""
+    assert laptop.generation_rate("out", 2, ("--loops=2",), 6) > 0
+    refused = subprocess.CompletedProcess([], 2, "", "warning: a line\nerror: no checkpoint at nowhere/ckpt.pt\n")
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: refused)  # a second Python start is seconds
+    with pytest.raises(configurator.UserError, match="sample.py --loops=2 failed: error: no checkpoint at nowhere"):
+        laptop.generation_rate("nowhere", 2, ("--loops=2",), 6)
+
+
+# ---- the core never imports what builds on it ------------------------------------------------------------
+def test_no_core_file_imports_studies():
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted(root.glob("*.py"))
+    assert {"model.py", "train.py", "evaluate.py", "allocate.py", "sample.py", "prepare.py",
+            "configurator.py"} <= {path.name for path in scripts}
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            for module in modules:
+                assert module.split(".")[0] != "studies", f"{path.name} imports {module}"
+
+
+# ---- A2's probe, diagnosed -------------------------------------------------------------------------------
+def test_probe_accuracy_on_hand_made_labels():
+    # (loops, tokens): token 0's argmax changes after loop 1, token 1's never; the last loop has no label
+    traced = {"argmax": torch.tensor([[1, 1], [2, 1], [2, 1]]), "probe": torch.tensor([[0.9, 0.2], [0.1, 0.4], [0.7, 0.7]])}
+    assert probe.probe_accuracy(traced) == {"accuracy": 1.0, "majority": 0.75}
+
+
+def test_the_probe_of_a_checkpoint_is_allocates(indir):
+    allocate.main(ALLOCATE_FAST)
+    result = probe.main(["--out_dir=out"])
+    assert 0 <= result["majority"] <= 1 and 0.5 <= result["majority"] and 0 <= result["accuracy"] <= 1
+    assert json.loads((indir / "out" / "probe.json").read_text()) == json.loads(json.dumps(result))

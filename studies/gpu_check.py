@@ -1,0 +1,63 @@
+"""The measurements ./gpu_check.sh reports on one GPU: a training run's MFU and peak memory, and decoding's
+tokens/s at every batch and depth, each decode row in this one process so that a step's graphs compile
+once per shape and policy (sample.py run again per row would compile them all again).
+
+    python -m studies.gpu_check training LABEL PEAK_FLOPS TRAIN_ARGS...   # one run: MFU, peak memory
+    python -m studies.gpu_check decoding OUT_DIR NEW_TOKENS [SAMPLE_FLAGS...]   # every decode row
+"""
+import contextlib
+import io
+import json
+import resource
+import statistics
+import sys
+
+import torch
+
+import sample
+import train
+from configurator import UserError
+
+BATCHES = (1, 32)
+DEPTHS = (["--loops=4"], ["--loops=8"], ["--loops=16"], ["--exit=kl"], ["--exit=state"])  # exits: allocate's
+
+
+def training(label, peak_flops, train_args):
+    """train.py in this process -> one line: MFU (the median FLOP rate of the steps after the first two, which
+    compile) and the peak memory."""
+    train.main(train_args)
+    out_dir = train.configure(vars(train), train_args)[0].out_dir
+    with open(f"{out_dir}/metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f if '"flops_per_s"' in line]
+    rate = statistics.median(step["flops_per_s"] for step in steps if step["iter"] >= 2)
+    if torch.cuda.is_available():
+        peak = f"peak memory {torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB (max_memory_allocated)"
+    else:  # the dry run: no GPU
+        peak = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20:.2f} GiB (no GPU)"
+    print(f"{label:8s} MFU {100 * rate / peak_flops:.3g}% ({rate:.3g} FLOP/s over {peak_flops:.3g}), {peak}")
+
+
+def decoding(out_dir, new_tokens, sample_flags):
+    """sample.py's report for each batch and depth, greedy: its tokens/s line and what torch.compile did."""
+    print("(in one process: a row's recompilations are its new batch size or exit test, compiled once)")
+    for batch in BATCHES:
+        for depth in DEPTHS:
+            argv = [f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
+                    f"--max_new_tokens={new_tokens}", *depth, *sample_flags]
+            report = io.StringIO()
+            try:
+                with contextlib.redirect_stderr(report), contextlib.redirect_stdout(io.StringIO()):
+                    sample.main(argv)
+            except (UserError, RuntimeError, OSError) as err:  # one row failed: say so, and go on
+                print(f"batch {batch:2d}  {' '.join(depth):14s} failed: {type(err).__name__}: {err}")
+                continue
+            lines = [line for line in report.getvalue().splitlines() if "tokens/s" in line or "compiled:" in line]
+            print(f"batch {batch:2d}  {' '.join(depth):14s} " + " | ".join(lines))
+
+
+if __name__ == "__main__":
+    part, *args = sys.argv[1:]
+    if part == "training":
+        training(args[0], float(args[1]), args[2:])
+    else:
+        decoding(args[0], int(args[1]), args[2:])

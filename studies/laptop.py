@@ -1,0 +1,157 @@
+"""The laptop study's last three measurements, after studies/laptop.sh has trained, evaluated and
+allocated:
+
+    parity      the study model's training FLOP/s over its dense twin's (config/study_dense.py):
+                the medians of what train.py logged for their steps (metrics.jsonl)
+    generation  sample.py's tokens/s in greedy generation from a zero state, at fixed depths and
+                at the state exit
+    bracket     the paper's three-point bracket for A1, the KL exit, at batch 1 and 8: A1's loops
+                at the bar against uniform mean_loops (the FLOP proxy, from allocate.json); uniform
+                round(A1's loops) against uniform mean_loops (the best case, which a perfect packing
+                of the exited tokens could reach); sample.py --exit=kl at A1's operating threshold
+                against uniform mean_loops (realized)
+
+    python -m studies.laptop --out_dir=out-shakespeare    # prints them; writes out_dir/laptop.json
+"""
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+from configurator import UserError, configure, run
+from evaluate import markdown
+from model import checkpoint_id, load_checkpoint, save_atomic
+
+out_dir = "out-shakespeare"  # its ckpt.pt is timed; its allocate.json gives A1's point at the bar
+recurrent_dir = "out-study"  # parity: this run's training FLOP/s ...
+dense_dir = "out-study_dense"  # ... over this one's, its dense twin
+max_new_tokens = 128  # new tokens per generation (sample.py times all but the first two)
+GENERATIONS = [  # (batch, sample.py's arguments), timed besides the bracket's
+    (8, ("--loops=2",)),
+    (8, ("--loops=4",)),
+    (8, ("--loops=6",)),
+    (8, ("--loops=8",)),
+    (8, ("--exit=state", "--exit_threshold=0.01")),
+    (8, ("--exit=state", "--exit_threshold=0.03")),
+    (8, ("--exit=state", "--exit_threshold=0.1")),
+]
+BRACKET_BATCHES = (1, 8)
+SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sample.py")
+# sample.py's report on stderr begins with its speed: the one part of its output read here
+TOKENS_PER_S = re.compile(r"^([0-9.]+) tokens/s \(", re.MULTILINE)
+
+
+def median_flop_rate(run_dir):
+    """The median FLOP/s train.py logged for a run's steps (its metrics.jsonl)."""
+    # the median, not the mean: a step slowed by another process on the machine moves it little
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise UserError(f"no {path}: train the run with `python train.py` first")
+    rates = []
+    with open(path) as f:
+        for line in f:
+            logged = json.loads(line)
+            if "flops_per_s" in logged:  # a step's line; an evaluation's has none
+                rates.append(logged["flops_per_s"])
+    if not rates:
+        raise UserError(f"{path} logs no step's FLOP/s")
+    return statistics.median(rates)
+
+
+def tokens_per_second(report):
+    """sample.py's stderr -> the tokens/s its report line begins with."""
+    found = TOKENS_PER_S.search(report)
+    if found is None:
+        raise UserError("sample.py's report holds no tokens/s")
+    return float(found.group(1))
+
+
+def generation_rate(out_dir, batch, args, max_new_tokens):
+    """sample.py's tokens/s in greedy generation of `batch` sequences with args (a tuple of its
+    --key=value arguments); the text it writes is dropped."""
+    # a process of its own, as a user runs it: nothing this process has loaded or compiled helps it
+    command = [sys.executable, SAMPLE, f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
+               f"--max_new_tokens={max_new_tokens}", *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last_lines = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise UserError(f"sample.py {' '.join(args)} failed: {last_lines[0]}")
+    return tokens_per_second(done.stderr)
+
+
+def read_allocation(out_dir):
+    """out_dir/allocate.json, if it is of out_dir/ckpt.pt; else UserError."""
+    _, ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    path = os.path.join(out_dir, "allocate.json")
+    if not os.path.isfile(path):
+        raise UserError(f"no {path}: run `python allocate.py --out_dir={out_dir}` first")
+    with open(path) as f:
+        allocated = json.load(f)
+    if allocated["checkpoint"] != checkpoint_id(ckpt):
+        raise UserError(f"{path} is of {allocated['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
+    return allocated
+
+
+def bracket_settings(mean, a1_loops, threshold):
+    """The bracket's three generations, as sample.py arguments: uniform mean_loops, uniform
+    round(A1's loops at the bar), the KL exit at its operating threshold."""
+    return {"uniform": (f"--loops={mean}",),
+            "matched": (f"--loops={round(a1_loops)}",),
+            "realized": ("--exit=kl", f"--exit_threshold={threshold}")}
+
+
+def bracket(mean, a1_loops, rates):
+    """The three points: the share of loops A1 saves at the bar (the FLOP proxy); the speedups over
+    uniform mean_loops of uniform round(A1's loops) (the best case) and of the KL exit (realized).
+    rates {"uniform" | "matched" | "realized": tokens/s}."""
+    return {"loops_saved": 1 - a1_loops / mean,
+            "best_case": rates["matched"] / rates["uniform"],
+            "realized": rates["realized"] / rates["uniform"]}
+
+
+def main(argv=()):
+    C, _ = configure(globals(), argv)
+    # 1) parity, from the training logs
+    parity = median_flop_rate(C.recurrent_dir) / median_flop_rate(C.dense_dir)
+    print(f"parity: {C.recurrent_dir} / {C.dense_dir} training FLOP/s (medians over the logged steps) "
+          f"= {parity:.3f}")
+    # 2) the settings to time: the table's and the bracket's; every refusal comes before the first run
+    allocated = read_allocation(C.out_dir)
+    mean = allocated["mean_loops"]
+    a1_loops = allocated["at_bar"]["A1"]["loops"]["value"]  # None: A1 never reaches the bar
+    threshold = allocated["operating_thresholds"]["kl"]
+    timed = list(GENERATIONS)
+    if a1_loops is not None:
+        for batch in BRACKET_BATCHES:
+            for args in bracket_settings(mean, a1_loops, threshold).values():
+                timed.append((batch, args))
+    # 3) each setting timed once: one may be both the table's and the bracket's (the CPU default's r=8
+    # at batch 8)
+    rates = {}
+    for batch, args in dict.fromkeys(timed):
+        rates[batch, args] = generation_rate(C.out_dir, batch, args, C.max_new_tokens)
+    rows = [[batch, " ".join(args), f"{rate:.1f}"] for (batch, args), rate in rates.items()]
+    print(f"\n## Greedy generation from {C.out_dir}, {C.max_new_tokens} new tokens\n")
+    print(markdown(["batch", "sample.py", "tokens/s"], rows))
+    generation = [{"batch": batch, "args": args, "tokens_per_s": rate} for (batch, args), rate in rates.items()]
+    result = {"checkpoint": allocated["checkpoint"], "parity": parity, "generation": generation, "bracket": {}}
+    # 4) the bracket, read off those rates
+    print()
+    if a1_loops is None:
+        print("A1 never reaches the bar: no bracket")
+    else:
+        settings = bracket_settings(mean, a1_loops, threshold)
+        for batch in BRACKET_BATCHES:
+            points = bracket(mean, a1_loops, {name: rates[batch, args] for name, args in settings.items()})
+            print(f"bracket, batch {batch}: A1 reaches the bar at {a1_loops:.2f} loops, "
+                  f"{points['loops_saved']:.0%} fewer than r={mean}; best case {points['best_case']:.2f}x; "
+                  f"realized {points['realized']:.2f}x")
+            result["bracket"][batch] = points
+    save_atomic(os.path.join(C.out_dir, "laptop.json"), result)
+    return result
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,127 @@
+"""Tests for studies/figures.py: the paper's figures, drawn from small hand-made eval.json, allocate.json and
+token_classes.json files (no checkpoint needed), and its one-line refusals."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import configurator
+from studies import figures
+
+MEAN = 4  # the hand-made run's training mean
+R_MAX = 8  # allocate.json's deepest loop
+
+
+def hand_made_eval():
+    """eval.json of a run whose loss falls to its training mean and stays; its KL decays tenfold a loop."""
+    swept = [1, 2, 3, 4, 8, 16]
+    elasticity = []
+    for r in swept:
+        loss = 3.0 + 1.0 / min(r, MEAN)
+        elasticity.append({"loops": r, "loss": loss, "bits_per_byte": loss / 2, "window_losses": [loss] * 3})
+    rows = []
+    for loop in range(2, 2 * MEAN + 1):
+        rows.append({"loop": loop, "mean_kl": 0.3 * 10.0 ** (2 - loop), "mean_state_change": 2.0 ** -loop,
+                     "percent_moving": 100.0 * 0.5 ** (loop - 2), "loss": 3.0 + 1.0 / min(loop, MEAN)})
+    convergence = {"rows": rows, "median_depth": 3.0, "percent_moving_at_mean": 25.0}
+    return {"checkpoint": "hand@10", "mean_loops": MEAN, "elasticity": elasticity, "convergence": convergence}
+
+
+def hand_made_allocate():
+    """allocate.json's parts that the figures read: every policy's points over 3 windows, the bar, the exits."""
+    depths = np.arange(1.0, R_MAX + 1)
+    offsets = np.array([-0.01, 0.0, 0.01])  # each window's difficulty
+    uniform_loss = 3.0 + 1.0 / np.minimum(depths, MEAN)
+    per_window = {"A0 loss": uniform_loss[:, None] + offsets,
+                  "A0 loops": np.repeat(depths[:, None], 3, 1),
+                  "A0 flops": np.repeat(1e6 * (1 + depths[:, None]), 3, 1)}
+    exits = {"A1": "kl", "A1s": "state", "A2": "probe"}
+    for shift, policy in enumerate(exits):
+        loops = np.linspace(2.0, R_MAX, 5)[:, None] + offsets
+        per_window[f"{policy} loss"] = 3.0 + 1.0 / np.minimum(loops, MEAN) + 0.01 * shift
+        per_window[f"{policy} loops"] = loops
+        per_window[f"{policy} flops"] = 1e6 * (1.2 + loops)
+    return {"checkpoint": "hand@10", "mean_loops": MEAN, "r_max": R_MAX, "bar": 3.0 + 1.0 / MEAN, "exits": exits,
+            "settings": {"A0": depths.tolist()},
+            "per_window": {key: array.tolist() for key, array in per_window.items()}}
+
+
+def hand_made_token_classes():
+    rows = [{"class": "space", "count": 10, "mean_exit_depth": 2.5}, {"class": "numeral", "count": 0},
+            {"class": "punctuation", "count": 5, "mean_exit_depth": 3.0},
+            {"class": "word", "count": 20, "mean_exit_depth": 3.5}, {"class": "all", "count": 35, "mean_exit_depth": 3.2}]
+    return {"checkpoint": "hand@10", "threshold": 0.004, "rows": rows}
+
+
+HAND_MADE = {"eval.json": hand_made_eval, "allocate.json": hand_made_allocate,
+             "token_classes.json": hand_made_token_classes}
+
+
+def write_run(run_dir, names):
+    """The hand-made files of `names` in run_dir."""
+    run_dir.mkdir(exist_ok=True)
+    for name in names:
+        (run_dir / name).write_text(json.dumps(HAND_MADE[name]()))
+
+
+def one_line_error(capsys, argv):
+    """figures.main must refuse argv: exit 2 and one line on stderr, through configurator.run."""
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", ["figures", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            configurator.run(figures.main)
+    stderr = capsys.readouterr().err
+    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    return stderr
+
+
+def assert_pngs(paths):
+    """Each path a PNG of more than an empty frame's bytes (axes, curves and labels)."""
+    for path in paths:
+        with open(path, "rb") as f:
+            png = f.read()
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def test_every_figure_from_the_three_files(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path / "out-hand", HAND_MADE)
+    argv = [f"--out_dir={tmp_path / 'out-hand'}", f"--figures_dir={tmp_path / 'figs'}"]
+    paths = figures.main(argv)
+    names = ["loss_by_depth", "convergence", "allocation", "token_classes"]
+    assert paths == [str(tmp_path / "figs" / f"out-hand_{name}.png") for name in names]
+    assert_pngs(paths)
+    assert "not in" not in capsys.readouterr().out
+
+
+def test_the_figures_of_the_files_there_and_one_line_naming_the_others(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path / "run", ["eval.json"])
+    paths = figures.main([f"--out_dir={tmp_path / 'run'}", f"--figures_dir={tmp_path}"])
+    assert paths == [str(tmp_path / "run_loss_by_depth.png"), str(tmp_path / "run_convergence.png")]
+    assert_pngs(paths)
+    out = capsys.readouterr().out
+    assert out.count("not in") == 1 and "allocate.json, token_classes.json" in out
+    write_run(tmp_path / "other", ["allocate.json", "token_classes.json"])
+    paths = figures.main([f"--out_dir={tmp_path / 'other'}", f"--figures_dir={tmp_path}"])
+    names = ["loss_by_depth", "allocation", "token_classes"]
+    assert paths == [str(tmp_path / f"other_{name}.png") for name in names]
+
+
+def test_files_of_two_checkpoints_or_none_are_refused(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert "none of eval.json" in one_line_error(capsys, [f"--out_dir={tmp_path}"])
+    write_run(tmp_path, HAND_MADE)
+    allocated = hand_made_allocate() | {"checkpoint": "hand@20"}
+    (tmp_path / "allocate.json").write_text(json.dumps(allocated))
+    assert "allocate.json of hand@20" in one_line_error(capsys, [f"--out_dir={tmp_path}"])
+
+
+def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    write_run(tmp_path, HAND_MADE)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    stderr = one_line_error(capsys, [f"--out_dir={tmp_path}", f"--figures_dir={tmp_path / 'figs'}"])
+    assert "pip install -r studies/requirements.txt" in stderr
+    assert not (tmp_path / "figs").exists()
