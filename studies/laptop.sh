@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The laptop study on CPU, in one command (README): train the CPU default (train.py prepares
-# Shakespeare the first time), its fixed-depth control, the study model (config/study.py) and its
+# The laptop study on CPU, in one command (README): prepare Shakespeare (once), train the CPU default,
+# its fixed-depth control, the study model (config/study.py) and its
 # dense twin (config/study_dense.py); evaluate them; allocate on the default and the study model,
 # with the exit depth by token class; time the default at batch 1 by depth; then studies/laptop.py
 # (parity, generation speed, the three-point bracket) and the default's figures.
@@ -10,6 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source studies/steps.sh
+[ -f data/shakespeare/meta.json ] || python prepare.py  # the default corpus, prepared once
 out=${1:-out-shakespeare}
 shift || true
 times="${out}_times.txt"

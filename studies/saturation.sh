@@ -13,6 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source studies/steps.sh
+[ -f data/shakespeare/meta.json ] || python prepare.py  # the default corpus, prepared once
 times=out-saturation_times.txt
 : > "$times"
 runs=""

@@ -31,7 +31,7 @@ MUTANTS = {
         "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
         'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
     "generation: the KL exit's carried logits never updated (tests against loop 1's)": (
-        "sample.py", "        logits.copy_(torch.where(active[:, None, None], logits_new, logits))", "        pass",
+        "sample.py", "self.carried.copy_(torch.where(active[:, None, None], logits_new, self.carried))", "pass",
         "tests/test_sample.py -k adaptive"),
     "generation: the new token's rotary position off by one": (
         "model.py", "positions = slice(T) if cache is None or cache.pos is None else cache.pos\n",
