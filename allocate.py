@@ -11,7 +11,7 @@ Every policy is read off one trace of the windows to r_max from a zero state (ev
 token's loss and exit scores after every loop): a token stops after the first loop from 2 whose
 score is below the threshold, or at r_max, and scores the loss it had there. This reads each token
 as if alone: in a real run a stopped token would show the others its held state, not its next one
-(the paper's masking harness; README gives the measured difference). The policies are compared at
+(the paper's masking harness; BENCHMARKS.md gives the measured difference). The policies are compared at
 matched average loops, and by the loops and FLOPs per token at which each reaches the bar (uniform
 depth at mean_loops), with paired bootstrap 95% intervals. Each exit test's operating threshold (the fewest
 loops that reach the bar) goes to allocate.json, where sample.py --exit finds it.
@@ -193,9 +193,7 @@ def loss_delta(per_window, policy, at, cost):
 def summarize(per_window, C, mean):
     """The matched table (a row per average depth: each exit's loss minus A0's at equal loops) and
     each policy's cost at the bar in loops and in FLOPs, each with its paired bootstrap interval."""
-    def interval(stat, **kwargs):
-        # every policy's arrays resampled with the same windows: the windows' own difficulty,
-        # which all policies share, cancels out of each difference
+    def interval(stat, **kwargs):  # paired: every policy's arrays resampled with the same windows
         return paired_bootstrap(lambda resampled: stat(resampled, **kwargs), per_window, C.bootstrap, C.seed)
     res = {"bar": bar_loss(per_window, mean), "at_bar": {}, "table": []}
     policies = list(dict.fromkeys(policy for policy, _ in per_window))  # A0, then each exit's
@@ -233,7 +231,8 @@ def print_report(res):
     headers = ["avg loops", "A0 loss"] + [f"{policy} ({name}) - A0" for policy, name in exits.items()]
     print(markdown(headers, rows))
     thresholds = ", ".join(f"{name} {value:.3g}" for name, value in res["operating_thresholds"].items())
-    print(f"\nOperating thresholds (the fewest loops that reach the bar; sample.py --exit runs them): {thresholds}")
+    print(f"\nOperating thresholds (the fewest loops that reach the bar, else the grid's deepest; sample.py --exit "
+          f"runs them): {thresholds}")
 
 
 def main(argv=()):

@@ -14,7 +14,7 @@
 #
 # The dataset: any data/NAME prepared with the SmolLM2 tokenizer, for example
 #   python prepare.py --source=input.txt --tokenizer=smollm2 --name=shakespeare_smollm2   # any text file
-#   python prepare.py --source=input.txt --tokenizer=../shared/tokenizers/smollm2.json --name=...   # offline
+#   python prepare.py --source=input.txt --tokenizer=PATH/tokenizer.json --name=...   # offline: a copy of SmolLM2's
 # Everything it writes goes to a temporary directory (removed at the end; GPU_CHECK_KEEP=1 keeps it):
 # checkpoints, logs, the compilers' caches, pytest's files. data/ is only read.
 #

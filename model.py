@@ -380,7 +380,7 @@ class ExitTest(NamedTuple):
     flops: Callable  # config -> FLOPs per token of one test
     needs_logits: bool = False  # a readout at every loop, carried to the next (the KL exit)
     threshold: float = 1e-3  # sample.py's, unless allocate.py calibrated one for the checkpoint
-    policy: str = ""  # its name in allocate.py's tables (the paper's A1, A1s)
+    policy: str = ""  # its name in allocate.py's tables (the paper's A1, A1s): each registered test its own
 
 
 def kl_score(s_new, s_old, logits_new, logits_old):
@@ -413,10 +413,11 @@ def uniform_depth(loops):
 def keeps_looping(loops, score, depth):
     """The stop rule, written once (sample.py's decode loop, exit_depth): after a token's loop number `loops`,
     whose exit score is `score` (tensors alike), does it loop again? Never past depth.r_max; with an exit test,
-    always to MIN_EXIT_LOOP (a test compares two loops), then while its score is at least the threshold."""
+    always to MIN_EXIT_LOOP (a test compares two loops), then until its score is below the threshold (a NaN
+    score, never below anything, stops no token)."""
     go_on = loops < depth.r_max
     if depth.test is not None:
-        go_on = go_on & ((loops < MIN_EXIT_LOOP) | (score >= depth.threshold))
+        go_on = go_on & ((loops < MIN_EXIT_LOOP) | ~(score < depth.threshold))
     return go_on
 
 

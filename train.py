@@ -26,7 +26,7 @@ eval_interval = 100  # steps between evaluations and saves
 log_interval = 10  # steps between log lines
 eval_iters = 10  # batches per evaluation
 init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
-overwrite_checkpoint = False  # let a scratch run replace ckpt.pt
+overwrite_checkpoint = False  # let a scratch run replace ckpt.pt and metrics.jsonl
 # data
 dataset = "shakespeare"  # data/<dataset>/ from prepare.py
 gradient_accumulation_steps = 1  # micro-steps per step, over all ranks
@@ -198,7 +198,7 @@ def main(argv=()):
             raise UserError(f"{ckpt_path} is at step {ckpt['iter_num']}: --max_iters={C.max_iters} trains nothing")
     for path in (ckpt_path, metrics_path):
         if not ckpt and os.path.exists(path) and not C.overwrite_checkpoint:
-            raise UserError(f"{path} exists: --init_from=resume, or --overwrite_checkpoint=True to replace it")
+            raise UserError(f"{path} exists: --init_from=resume to go on, or --overwrite_checkpoint=True to replace it")
     for key in sorted(given & saved.keys()):  # asked for another model or dataset: refused, never ignored
         asked = getattr(C, key)
         if asked != saved[key]:
@@ -221,7 +221,8 @@ def main(argv=()):
     if world > 1:  # every rank starts from rank 0's weights (each drew its own)
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-    # JSON lines, rank 0's (a resumed run appends), opened once every rank has passed the checks above
+        dist.barrier()  # every rank has passed the checks above: rank 0 may now create the log
+    # JSON lines, rank 0's (a resumed run appends)
     metrics = open(metrics_path if rank == 0 else os.devnull, "a" if ckpt else "w", buffering=1)
     g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)  # each rank reads its own batches
     start = 0
@@ -287,8 +288,8 @@ def main(argv=()):
             check_skips(skipped, it, C.guard_grace_iters)
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
-            # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
-            # same count for config/study_dense.py's dense twin: the two runs' ratio is study.sh's parity)
+            # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the same
+            # count for config/study_dense.py's dense twin: the runs' ratio is studies/laptop.py's parity)
             tokens = micro_steps * math.prod(shape)
             flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
             figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr, "flops_per_s": flops / dt}

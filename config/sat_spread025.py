@@ -1,4 +1,4 @@
-# Issue 31's saturation study (./saturation.sh): the CPU default (train.py's settings: shape, data,
+# The saturation study (studies/saturation.sh): the CPU default (train.py's settings: shape, data,
 # steps, tokens) with only its loop distribution changed, scaled as S0 and S1 scale it:
 # bptt_k = mean_loops, max_loops = 4 x mean_loops.
 out_dir = "out-sat-spread025"

@@ -1,4 +1,4 @@
-# Parity for the laptop study (issue 20): the study model's dense twin, the same blocks unrolled once
+# Parity for the laptop study: the study model's dense twin, the same blocks unrolled once
 # (train.py logs each step's FLOP/s: the two runs' ratio is the parity of their FLOP rates). The core's block (sandwich norms and all) appears
 # n_core * mean_loops = 8 times, run in a single loop from a zero initial state (state_std = 0: one pass
 # from noise would be a noisy input, which no dense stack has), with the same prelude, coda and width,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The laptop study on CPU, in one command (README): prepare Shakespeare (once), train the CPU default,
+# The laptop study on CPU, in one command (RESULTS.md): prepare Shakespeare (once), train the CPU default,
 # its fixed-depth control, the study model (config/study.py) and its
 # dense twin (config/study_dense.py); evaluate them; allocate on the default and the study model,
 # with the exit depth by token class; time the default at batch 1 by depth; then studies/laptop.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The saturation study (README, "Saturation"): is the depth a model uses set by its training loop
+# The saturation study (RESULTS.md, "The saturation study"): is the depth a model uses set by its training loop
 # distribution? Trains the CPU default's shape, data, steps and tokens under six loop distributions
 # (config/sat_*.py: training means 2, 4, 8, 16 at spread 0.5; spreads 0.25 and 1.0 at mean 8; the
 # default itself is mean 8, spread 0.5), a second seed of the two ends of the range of means, and

@@ -1,4 +1,4 @@
-"""The saturation study's table and figure (README, "Saturation"): does a model use depth up to its
+"""The saturation study's table and figure (RESULTS.md, "The saturation study"): does a model use depth up to its
 training mean and no further? Each run's training loop distribution and FLOPs beside the depth it uses.
 
 For each run: its training FLOPs, counted step by step from the depths train.py drew (its

@@ -8,7 +8,9 @@ import torch._inductor.config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts are modules at the repo root
 
-SCRIPTS = ("train", "evaluate", "allocate", "sample")  # the scripts whose defaults follow the machine
+# the scripts whose defaults follow the machine, the core's and the folders'
+SCRIPTS = ("train", "evaluate", "allocate", "sample", "studies.timing", "studies.token_classes", "studies.probe",
+           "downstream.harness")
 CPU_DEFAULTS = {"device": "cpu", "dtype": "float32", "compile": False}  # what they default to without a GPU
 
 
@@ -42,7 +44,7 @@ def config_state(config):
     return config.get_config_copy(), hidden
 
 
-PROJECT_MODULES = ("configurator", "model", "prepare", "train", "evaluate", "allocate", "sample")
+PROJECT_MODULES = ("configurator", "model", "prepare", *SCRIPTS)
 
 
 @pytest.fixture(autouse=True)

@@ -228,7 +228,7 @@ def test_stopped_tokens_stop_changing_in_the_harness(trained, name):
 
 @pytest.mark.parametrize("name", ["A1", "A1s", "A2"])
 def test_the_reading_matches_the_masking_harness(trained, name):
-    """The reading's only difference from the paper's harness is by design (README): a token is read as if
+    """The reading's only difference from the paper's harness is by design (BENCHMARKS.md): a token is read as if
     alone, where in the harness the others see its held state once it stops. On this model, at a threshold
     where the exits really differ, it moves the mean loss by under 0.001 nats (0.002 for A2's toy probe, measured
     at 0.0014) and the mean loops by under 0.1: less than the effects README reports (0.0003-0.0022 nats)."""

@@ -227,6 +227,9 @@ def test_the_stop_rule_on_hand_built_scores():
     assert by_window.tolist() == [[3, 2], [4, 5]]
     with pytest.raises(ValueError):
         exit_depth(HAND_BUILT_SCORES, kl_exit(1e-3, r_max=6))  # deeper than the trace
+    diverging = HAND_BUILT_SCORES.clone()
+    diverging[1:3, 1] = math.nan  # a NaN score is below no threshold: the token goes on, to loop 4 here
+    assert exit_depth(diverging, kl_exit(1e-3)).tolist() == [3, 4, 4, 5]
 
 
 def test_every_exit_depth_moves_with_min_exit_loop(monkeypatch):

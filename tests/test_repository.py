@@ -1,5 +1,6 @@
 """The repository as a newcomer meets it: the test command CI runs, and the suite's own guard against a
 test that leaves global state behind for the next one."""
+import ast
 import re
 from pathlib import Path
 
@@ -49,3 +50,38 @@ def test_ci_runs_the_readmes_test_command_in_a_fresh_virtual_environment():
     command = re.search(r"^(python -m pytest[^#\n]*?)\s*(#.*)?$", readme, re.M).group(1)
     assert command in ci.splitlines()
     assert "-m venv" in ci and "pip install" in ci and "-r requirements.txt" in ci
+
+
+READ_BY_USERS = [*ROOT.glob("*.md"), *ROOT.glob("*/README.md"), *ROOT.glob("*.sh"), *ROOT.glob("studies/*.sh"),
+                 *ROOT.glob("config/**/*.py")]
+
+
+@pytest.mark.parametrize("path", READ_BY_USERS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_what_users_read_names_no_issue_numbers_and_no_paths_outside_the_repository(path):
+    """A user of the repository cannot open the project's issues or the developers' shared folder."""
+    text = path.read_text()
+    assert not re.search(r"\b[Ii]ssues? #?\d+", text), re.search(r".*\b[Ii]ssues? #?\d+.*", text).group()
+    assert "../shared" not in text
+
+
+def test_the_readme_is_a_front_door():
+    """About 150 lines, and its files table gives every core file's and folder's line count as it stands."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 160
+    for name in ("configurator.py", "model.py", "prepare.py", "train.py", "evaluate.py", "allocate.py", "sample.py"):
+        lines = len((ROOT / name).read_text().splitlines())
+        assert f"| `{name}` | {lines} |" in readme, name
+    for folder in ("studies", "downstream"):
+        lines = sum(len(path.read_text().splitlines()) for path in (ROOT / folder).glob("*.py"))
+        assert f"| `{folder}/` | {lines} |" in readme, folder
+
+
+def test_the_core_is_under_two_thousand_lines_and_never_imports_its_folders():
+    core = sorted(ROOT.glob("*.py"))
+    assert [path.name for path in core] == ["allocate.py", "configurator.py", "evaluate.py", "model.py", "prepare.py",
+                                            "sample.py", "train.py"]
+    assert sum(len(path.read_text().splitlines()) for path in core) < 2000
+    for path in core:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [alias.name for alias in getattr(node, "names", [])] + [getattr(node, "module", None) or ""]
+            assert not any(name.split(".")[0] in ("studies", "downstream") for name in names), path.name

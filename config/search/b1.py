@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run b1:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run b1:
 # Raw bytes (bpe:257: the 256 bytes and the end-of-text token), the old default's model.
 # First: python prepare.py --tokenizer bpe:257 --name shakespeare_bytes
 # Then:  python train.py config/search/b1.py

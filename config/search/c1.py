@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run c1:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run c1:
 # A 1024-entry BPE, the old default's model, 400 steps.
 # First: python prepare.py --tokenizer bpe:1024 --name shakespeare_bpe1024
 # Then:  python train.py config/search/c1.py

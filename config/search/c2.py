@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run c2:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run c2:
 # A 512-entry BPE, the old default's model, 400 steps.
 # First: python prepare.py --tokenizer bpe:512 --name shakespeare_bpe512
 # Then:  python train.py config/search/c2.py

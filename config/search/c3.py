@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run c3:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run c3:
 # A 512-entry BPE, a narrower model (d128) on shorter windows and larger batches, 650 steps.
 # First: python prepare.py --tokenizer bpe:512 --name shakespeare_bpe512
 # Then:  python train.py config/search/c3.py

@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run c4:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run c4:
 # A 1024-entry BPE, c3's narrower model, 650 steps.
 # First: python prepare.py --tokenizer bpe:1024 --name shakespeare_bpe1024
 # Then:  python train.py config/search/c4.py

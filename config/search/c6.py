@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run c6:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run c6:
 # c5 with truncated backprop through 4 loops instead of 8: cheaper steps, so 560 of them fit in the
 # same time (more training was the lever that gave the old default an early-exit saving).
 # First: python prepare.py --tokenizer bpe:1024 --name shakespeare_bpe1024

@@ -1,4 +1,4 @@
-# The CPU-default search (README, "The search"), run old_default:
+# The CPU-default search (RESULTS.md, "The search for the CPU default"), run old_default:
 # The CPU default before this search (train.py's defaults until 2026-11-23): a 4096-entry BPE,
 # two core blocks looped 4 times on average.
 # First: python prepare.py --tokenizer bpe:4096 --name shakespeare_bpe4096
