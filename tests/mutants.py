@@ -53,8 +53,8 @@ MUTANTS = {
         "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i + 2:] != argmax[i]).any(0)",
         "tests/test_allocate.py -k label"),
     "exits: a token may stop after loop 1": (
-        "model.py", "go_on = go_on & ((loops < MIN_EXIT_LOOP) | (score >= depth.threshold))",
-        "go_on = go_on & ((loops < MIN_EXIT_LOOP - 1) | (score >= depth.threshold))", "tests/test_allocate.py"),
+        "model.py", "go_on = go_on & ((loops < MIN_EXIT_LOOP) | ~(score < depth.threshold))",
+        "go_on = go_on & ((loops < MIN_EXIT_LOOP - 1) | ~(score < depth.threshold))", "tests/test_allocate.py"),
     "FLOPs: the KL exit's cost counted without its exp and sum": (
         "model.py", "lambda config: 12 * config.vocab_size", "lambda config: 10 * config.vocab_size",
         "tests/test_allocate.py -k exit_test_costs"),

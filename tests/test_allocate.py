@@ -4,6 +4,7 @@ hand-made traces, curves and FLOP counts."""
 import importlib
 import json
 import os
+import shutil
 import sysconfig
 from types import SimpleNamespace
 from pathlib import Path
@@ -400,6 +401,18 @@ def test_checkpoint_without_its_dataset_is_one_line(trained, tmp_path, monkeypat
     os.link(trained[0] / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
     assert "data/tiny" in one_line_error(capsys, "--out_dir=out")
+
+
+def test_a_dataset_prepared_again_is_refused_before_the_work(trained, tmp_path, monkeypatch, capsys):
+    """The same name and tokenizer, another split (as prepare.py --val_fraction=0.5 would give): refused."""
+    shutil.copytree(trained[0] / "data", tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    os.link(trained[0] / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
+    meta = json.loads((tmp_path / "data" / "tiny" / "meta.json").read_text())
+    (tmp_path / "data" / "tiny" / "meta.json").write_text(json.dumps(meta | {"val_tokens": meta["val_tokens"] * 2}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(allocate, "trace_windows", lambda *a, **k: pytest.fail("traced before the check"))
+    assert "data/tiny is not the dataset out/ckpt.pt was trained on: val_tokens" in one_line_error(capsys, "--out_dir=out")
 
 
 @pytest.mark.cuda
