@@ -166,7 +166,7 @@ ITEMS = [{"context": "The Python Software", "choices": ["Foundation", "zqxjv"], 
          {"context": "Permission is hereby", "choices": ["qqqq", "granted"], "label": 1},
          {"context": "the standard", "choices": ["library", "xkcd"], "label": 1},
          {"context": "Copyright", "choices": ["(c)", "wwww"], "label": 0}]
-FAST = ["--out_dir=out", "--loops=1,2,4", "--batch_size=4", "--n_grid=12", "--bootstrap=50"]
+FAST = ["--out_dir=out", "--device=cpu", "--loops=1,2,4", "--batch_size=4", "--n_grid=12", "--bootstrap=50"]
 
 
 @pytest.fixture
