@@ -22,7 +22,8 @@ import sys
 
 from configurator import UserError, configure, run
 from evaluate import markdown
-from model import checkpoint_id, load_checkpoint, save_atomic
+from model import load_checkpoint, save_atomic
+from studies.allocation import read_allocation
 
 out_dir = "out-shakespeare"  # its ckpt.pt is timed; its allocate.json gives A1's point at the bar
 recurrent_dir = "out-study"  # parity: this run's training FLOP/s ...
@@ -81,19 +82,6 @@ def generation_rate(out_dir, batch, args, max_new_tokens):
     return tokens_per_second(done.stderr)
 
 
-def read_allocation(out_dir):
-    """out_dir/allocate.json, if it is of out_dir/ckpt.pt; else UserError."""
-    _, ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
-    path = os.path.join(out_dir, "allocate.json")
-    if not os.path.isfile(path):
-        raise UserError(f"no {path}: run `python allocate.py --out_dir={out_dir}` first")
-    with open(path) as f:
-        allocated = json.load(f)
-    if allocated["checkpoint"] != checkpoint_id(ckpt):
-        raise UserError(f"{path} is of {allocated['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
-    return allocated
-
-
 def bracket_settings(mean, a1_loops, threshold):
     """The bracket's three generations, as sample.py arguments: uniform mean_loops, uniform
     round(A1's loops at the bar), the KL exit at its operating threshold."""
@@ -118,7 +106,8 @@ def main(argv=()):
     print(f"parity: {C.recurrent_dir} / {C.dense_dir} training FLOP/s (medians over the logged steps) "
           f"= {parity:.3f}")
     # 2) the settings to time: the table's and the bracket's; every refusal comes before the first run
-    allocated = read_allocation(C.out_dir)
+    _, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"))
+    allocated = read_allocation(C.out_dir, ckpt)
     mean = allocated["mean_loops"]
     a1_loops = allocated["at_bar"]["A1"]["loops"]["value"]  # None: A1 never reaches the bar
     threshold = allocated["operating_thresholds"]["kl"]

@@ -8,17 +8,17 @@ on the same evaluation windows.
     python allocate.py --out_dir=out-shakespeare
     python -m studies.probe --out_dir=out-shakespeare     # writes out_dir/probe.json
 """
-import json
 import os
 from types import SimpleNamespace
 
 import torch
 
 from allocate import fit_router, harvest_labels
-from configurator import UserError, configure, run
+from configurator import configure, run
 from evaluate import load_windows, trace_windows
 from model import DEVICES, autocast, checkpoint_id, save_atomic
 from prepare import open_run
+from studies.allocation import read_allocation
 
 out_dir = "out-shakespeare"  # reads ckpt.pt and allocate.json, writes probe.json
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
@@ -37,13 +37,7 @@ def probe_accuracy(traced):
 def main(argv=()):
     C, _ = configure(globals(), argv)
     model, ckpt, data_dir, meta = open_run(C.out_dir, C.device)
-    path = os.path.join(C.out_dir, "allocate.json")
-    if not os.path.isfile(path):
-        raise UserError(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first")
-    with open(path) as f:
-        allocated = json.load(f)
-    if allocated["checkpoint"] != checkpoint_id(ckpt):
-        raise UserError(f"{path} is of {allocated['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
+    allocated = read_allocation(C.out_dir, ckpt)
     args = SimpleNamespace(**allocated["args"])  # allocate.py's windows, seeds, grid and dtype
     length = model.config.block_size + 1
     windows = load_windows(f"{data_dir}/val.bin", meta["dtype"], args.windows, length, args.seed)

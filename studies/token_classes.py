@@ -7,17 +7,17 @@ as allocate.py reads it), counted for the token at its position: the one that ex
     python allocate.py --out_dir=out-shakespeare
     python -m studies.token_classes --out_dir=out-shakespeare    # writes out_dir/token_classes.json
 """
-import json
 import os
 import unicodedata
 
 import numpy as np
 import torch
 
-from configurator import UserError, configure, run
+from configurator import configure, run
 from evaluate import load_windows, table, trace_windows
 from model import DEVICES, EXIT_TESTS, DepthPolicy, autocast, checkpoint_id, exit_depth, save_atomic
 from prepare import load_tokenizer, open_run
+from studies.allocation import read_allocation
 
 out_dir = "out-shakespeare"  # reads ckpt.pt and allocate.json, writes token_classes.json
 batch_size = 8  # windows per forward
@@ -61,13 +61,7 @@ def token_classes(traced, threshold, inputs, decode):
 def main(argv=()):
     C, _ = configure(globals(), argv)
     model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, splits=("val",))
-    path = os.path.join(C.out_dir, "allocate.json")
-    if not os.path.isfile(path):
-        raise UserError(f"no {path}: run `python allocate.py --out_dir={C.out_dir}` first")
-    with open(path) as f:
-        allocated = json.load(f)
-    if allocated["checkpoint"] != checkpoint_id(ckpt):
-        raise UserError(f"{path} is of {allocated['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
+    allocated = read_allocation(C.out_dir, ckpt)
     _, decode = load_tokenizer(data_dir)
     # allocate.py's windows (its count and seed) and depth
     args = allocated["args"]

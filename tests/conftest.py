@@ -37,6 +37,19 @@ def global_state():
     return state
 
 
+def stderr_of_a_refusal(capsys, main, argv):
+    """main run on argv through configurator.run, as a script's command line runs it: it must exit 2 -> what
+    it printed on stderr (the tests' own checks read it: one line, or its last)."""
+    import configurator  # the repository's root is on sys.path from the top of this file
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", ["script", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            configurator.run(main)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def config_state(config):
     """A torch config module's values, and the entries it hides: pytest's monkeypatch, undone, hides the
     entry it set (reading it then raises AttributeError), and the values alone do not show that."""

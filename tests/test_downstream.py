@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import configurator
 import evaluate
 from model import EXIT_TESTS, DepthPolicy, exit_depth, load_checkpoint, uniform_depth
 from prepare import load_tokenizer
+from conftest import stderr_of_a_refusal
 from test_allocate import train_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,27 +306,17 @@ def test_lm_evals_own_sciq_and_lambada_openai_on_local_rows_score_as_by_hand(har
 # ---- refusals, each one line before any work ----------------------------------------------------------------------
 def one_line_error(capsys, main, argv):
     """main must refuse argv: exit 2 and one line on stderr, through configurator.run."""
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sys.argv", ["downstream", *argv])
-        with pytest.raises(SystemExit) as exit_:
-            configurator.run(main)
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    stderr = stderr_of_a_refusal(capsys, main, argv)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     return stderr
 
 
 def refusal(capsys, main, argv):
     """main must refuse argv: exit 2, its last line on stderr an error, no traceback -> that line. The tasks that
     lm-eval built before the one refused may have printed datasets' progress bars before it."""
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sys.argv", ["downstream", *argv])
-        with pytest.raises(SystemExit) as exit_:
-            configurator.run(main)
-    stderr = capsys.readouterr().err
+    stderr = stderr_of_a_refusal(capsys, main, argv)
     last_line = stderr.strip().rpartition("\n")[2]
-    assert exit_.value.code == 2 and last_line.startswith("error: ") and "Traceback" not in stderr, stderr
+    assert last_line.startswith("error: ") and "Traceback" not in stderr, stderr
     return last_line
 
 

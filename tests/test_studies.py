@@ -20,6 +20,7 @@ from model import GPT, GPTConfig, checkpoint_id, load_checkpoint
 from prepare import load_tokenizer
 from studies import laptop, probe, saturation, saturation_table, timing
 from studies import token_classes as studies_token_classes
+from conftest import stderr_of_a_refusal
 from test_allocate import train_tiny
 
 FAST = ["--out_dir=out", "--windows=6", "--batch_size=4"]
@@ -43,13 +44,8 @@ def indir(workdir, monkeypatch):
 
 def one_line_error(capsys, main, argv):
     """main must refuse argv: exit 2 and one line on stderr, through configurator.run."""
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sys.argv", ["study", *argv])
-        with pytest.raises(SystemExit) as exit_:
-            configurator.run(main)
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    stderr = stderr_of_a_refusal(capsys, main, argv)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     return stderr
 
 
