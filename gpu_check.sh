@@ -10,7 +10,8 @@
 # 2) allocate.py on S0 (the exits' operating thresholds); S0's decode tokens/s at batch 1 and 32: uniform
 #    r = 4, 8, 16, and the kl and state exits at those thresholds, all in one process (studies/gpu_check.py):
 #    sample.py's tokens/s line and what torch.compile did (graphs, breaks, recompilations, CUDA-graph skips).
-# 3) The test suite's summary line.
+# 3) The test suite's failures, if any, and its summary line.
+# On a torch older than the pinned 2.13, studies/older_torch/ supplies 2.13's F.linear_cross_entropy (a line says so).
 #
 # The dataset: any data/NAME prepared with the SmolLM2 tokenizer, for example
 #   python prepare.py --source=input.txt --tokenizer=smollm2 --name=shakespeare_smollm2   # any text file
@@ -41,6 +42,12 @@ if ! grep -q '"vocab_size": 49152,' "data/$dataset/meta.json"; then  # S0 and S1
     exit 2
 fi
 peak_flops="${PEAK_FLOPS:-989e12}"
+python -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+# a torch older than the pinned 2.13 (a GPU image may hold 2.11) lacks the function training's loss calls
+if ! python -c "import torch.nn.functional as F; F.linear_cross_entropy" 2> /dev/null; then
+    echo "this torch predates 2.13: studies/older_torch/sitecustomize.py defines F.linear_cross_entropy"
+    export PYTHONPATH="$PWD/studies/older_torch${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 # the paper's shapes and micro-batches; the tiny dry run keeps their structure at width 64 and 64 tokens
 checkpoint_steps=300
@@ -110,5 +117,6 @@ set +e
 python -m pytest -q -m "not network" -p no:cacheprovider --basetemp="$work/pytest" "${parallel[@]}" tests \
     > "$work/pytest.log" 2>&1
 set -e
+grep -E "^(FAILED|ERROR) " "$work/pytest.log" || true
 tail -n 1 "$work/pytest.log"
 echo "(tests: $((SECONDS - tests_started)) s; all: $((SECONDS - started)) s)"

@@ -81,7 +81,9 @@ class Decoder:
     """A batch's KV caches and its new tokens' state, at fixed addresses, and the three steps each new token
     takes: begin (its prelude, at pos), loop (one more masked loop of every row), end (its next logits).
     Each step writes only these buffers, never waits for the host and has the same shapes at every token, so
-    that under --compile each is one CUDA graph: a token costs its loops + 2 launches, whatever the model."""
+    that under --compile each is one CUDA graph: a token costs its loops + 2 launches, whatever the model.
+    No step returns a tensor: a CUDA graph's output lives until its next replay, and one kept alive across
+    calls makes torch record the next call as a new graph (CUDA-graph trees), a token at a time."""
 
     def __init__(self, model, s0, depth, compiler=None):
         c = model.config
@@ -97,10 +99,11 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=s0.device)  # the new tokens' position in the caches
         self.e = s0.new_zeros(B, 1, c.n_embd)  # the new token's prelude output and state, in s0's dtype
         self.s = s0.new_zeros(B, 1, c.n_embd)
-        self.carried = s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32)  # the KL exit's last readout
+        self.carried = s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32)  # each row's last readout (float32)
         self.looping = torch.zeros(B, dtype=torch.bool, device=s0.device)
         self.loops_ran = torch.zeros(B, dtype=torch.long, device=s0.device)
-        for buffer in (self.pos, self.e, self.s, self.carried, self.looping, self.loops_ran):
+        self.stopped = torch.zeros((), dtype=torch.bool, device=s0.device)  # no row is looping
+        for buffer in (self.pos, self.e, self.s, self.carried, self.looping, self.loops_ran, self.stopped):
             torch._dynamo.mark_static_address(buffer, guard=False)  # a CUDA graph writes them in place
         if compiler is not None:  # each step its own compiled graph (torch.compile in main)
             self.begin, self.loop, self.end = compiler(self.begin), compiler(self.loop), compiler(self.end)
@@ -114,8 +117,8 @@ class Decoder:
 
     def loop(self):
         """One more loop of every row's new token: every row runs, and one that has stopped keeps its s, carried
-        logits (float32), loop count and cache slots (keeps_looping: at most r_max loops) -> "no row is looping"
-        (a 0-dim bool on the device: reading it is the caller's one host wait)."""
+        logits (float32), loop count and cache slots (keeps_looping: at most r_max loops). Then `stopped` says
+        whether no row is looping (a 0-dim bool on the device: reading it is the caller's one host wait)."""
         model, test = self.model, self.depth.test
         active = self.looping.clone()  # the rows this loop runs: their cache slots take its K/V
         s_new = model.core_step(self.e, self.s, CacheView(self.caches["core"], self.pos, active))
@@ -131,17 +134,14 @@ class Decoder:
         if logits_new is not None:
             self.carried.copy_(torch.where(active[:, None, None], logits_new, self.carried))
         self.looping.copy_(active & go_on)
-        return ~self.looping.any()
+        self.stopped.copy_(~self.looping.any())
 
     def end(self):
-        """-> every row's next logits (B, V), valid until the next step: the KL exit carried each row's last
-        readout, else one readout of every row's final state. The next token goes to the next position."""
-        if self.depth.test is not None and self.depth.test.needs_logits:
-            logits = self.carried[:, 0]
-        else:
-            logits = self.model.readout(self.s, CacheView(self.caches["coda"], self.pos))[:, 0]
+        """Every row's next logits in carried (B, 1, V), valid until the next step: the KL exit carried each row's
+        last readout, else one readout of every row's final state. The next token goes to the next position."""
+        if self.depth.test is None or not self.depth.test.needs_logits:
+            self.carried.copy_(self.model.readout(self.s, CacheView(self.caches["coda"], self.pos)))
         self.pos.add_(1)
-        return logits
 
 
 # With an exit, a GPU runs behind the host: reading loop i-1's "no row is looping" once loop i is queued, the
@@ -200,12 +200,13 @@ def generate(model, idx, max_new_tokens, s0, pick, prompt_loops, depth, compiler
         decoder.begin(next_token, s0[:, t:t + 1])
         flags = []  # "no row is looping" after each loop from MIN_EXIT_LOOP, read `ahead` loops later
         for loop in range(1, depth.r_max + 1):
-            no_row_looping = decoder.loop()
+            decoder.loop()
             if depth.test is not None and loop >= MIN_EXIT_LOOP:
-                flags.append(HostFlag(no_row_looping))
+                flags.append(HostFlag(decoder.stopped))
             if len(flags) > ahead and flags[-1 - ahead].read():
                 break
-        logits = decoder.end()
+        decoder.end()
+        logits = decoder.carried[:, 0]
         loops = decoder.loops_ran.clone()
         n_cached += 1
 
@@ -249,7 +250,7 @@ def main(argv=()):
         for next_token, loops in generate(model, idx, C.max_new_tokens, s0, pick, prompt_loops, depth, compiler):
             new_tokens.append(next_token)
             loops_run.append(loops)
-            if len(new_tokens) == 2:  # the first decode step (and its compilation) is the warm-up: time the others
+            if len(new_tokens) == 3:  # two decode steps warm up (compiling, then recording CUDA graphs): time the rest
                 started = clock(C.device)
     seconds = clock(C.device) - started
     new_ids = torch.stack(new_tokens, 1).tolist()
@@ -258,7 +259,7 @@ def main(argv=()):
         print(decode(ids + row), end="\n---------------\n")
     mean_loops = loops_run.float().mean().item()
     deepest = loops_run.amax(0).float().mean().item()  # a lockstep step waits for its deepest token
-    timed = n * max(0, C.max_new_tokens - 2)  # the prefill's token and the warm-up step's are not timed
+    timed = n * max(0, C.max_new_tokens - 3)  # the prefill's token and the two warm-up steps' are not timed
     flops = model.inference_flops(mean_loops, model.config.block_size, depth.test)
     print(f"{timed / seconds:.1f} tokens/s ({timed} timed), {mean_loops:.2f} loops (a step's deepest {deepest:.2f}), "
           f"{flops / 1e6:.3g} MFLOP per token (attention over a full block), {C.dtype}", file=sys.stderr)

@@ -13,6 +13,7 @@ import statistics
 import sys
 
 import torch
+from torch._inductor import cudagraph_trees
 
 import sample
 import train
@@ -37,14 +38,31 @@ def training(label, peak_flops, train_args):
     print(f"{label:8s} MFU {100 * rate / peak_flops:.3g}% ({rate:.3g} FLOP/s over {peak_flops:.3g}), {peak}")
 
 
+def cuda_graphs_recorded():
+    """-> how many CUDA graphs torch.compile's CUDA-graph trees have recorded in this process (every node of
+    every tree; 0 without a GPU). A decode row that holds its graphs records three: begin, loop and end."""
+    if not torch.cuda.is_available():
+        return 0
+    manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    nodes = [node for roots in manager.roots.values() for node in roots] if manager is not None else []
+    count = 0
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        nodes.extend(child for children in node.children.values() for child in children)
+    return count
+
+
 def decoding(out_dir, new_tokens, sample_flags):
-    """sample.py's report for each batch and depth, greedy: its tokens/s line and what torch.compile did."""
+    """sample.py's report for each batch and depth, greedy: its tokens/s line, what torch.compile did, and the
+    CUDA graphs the row recorded (a row's caches are new buffers: its three graphs are recorded anew)."""
     print("(in one process: a row's recompilations are its new batch size or exit test, compiled once)")
     for batch in BATCHES:
         for depth in DEPTHS:
             argv = [f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
                     f"--max_new_tokens={new_tokens}", *depth, *sample_flags]
             report = io.StringIO()
+            recorded_before = cuda_graphs_recorded()
             try:
                 with contextlib.redirect_stderr(report), contextlib.redirect_stdout(io.StringIO()):
                     sample.main(argv)
@@ -52,6 +70,7 @@ def decoding(out_dir, new_tokens, sample_flags):
                 print(f"batch {batch:2d}  {' '.join(depth):14s} failed: {type(err).__name__}: {err}")
                 continue
             lines = [line for line in report.getvalue().splitlines() if "tokens/s" in line or "compiled:" in line]
+            lines.append(f"{cuda_graphs_recorded() - recorded_before} CUDA graphs recorded")
             print(f"batch {batch:2d}  {' '.join(depth):14s} " + " | ".join(lines))
 
 

@@ -72,7 +72,7 @@ def test_the_readme_is_a_front_door():
         lines = len((ROOT / name).read_text().splitlines())
         assert f"| `{name}` | {lines} |" in readme, name
     for folder in ("studies", "downstream"):
-        lines = sum(len(path.read_text().splitlines()) for path in (ROOT / folder).glob("*.py"))
+        lines = sum(len(path.read_text().splitlines()) for path in (ROOT / folder).rglob("*.py"))
         assert f"| `{folder}/` | {lines} |" in readme, folder
 
 
