@@ -91,8 +91,8 @@ class Decoder:
         self.model = model
         # the depth policy (uniform, or an exit test: keeps_looping) with its numbers as tensors, so that a graph
         # compiled for one threshold or r_max serves every other, uncompiled again
-        threshold = torch.tensor(depth.threshold, device=s0.device)
-        r_max = torch.tensor(depth.r_max, device=s0.device)
+        threshold = torch.full((), depth.threshold, device=s0.device)  # filled on the device: no wait for a copy
+        r_max = torch.full((), depth.r_max, device=s0.device)
         self.depth = DepthPolicy(depth.test, threshold, r_max)
         self.caches = {"prelude": model.new_cache(c.n_prelude, B), "core": model.new_cache(c.n_core, B),
                        "coda": model.new_cache(c.n_coda, B)}

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch._inductor.config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the scripts are modules at the repo root
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the scripts are modules at the repo root
 
 # the scripts whose defaults follow the machine, the core's and the folders'
 SCRIPTS = ("train", "evaluate", "allocate", "sample", "studies.timing", "studies.token_classes", "studies.probe",
@@ -35,6 +36,15 @@ def global_state():
             module_globals = vars(sys.modules[name]).items()
             state[f"{name}'s globals"] = {key: id(value) for key, value in module_globals if not key.startswith("__")}
     return state
+
+
+def script_env():
+    """The environment of a script the tests start as a process: no GPU visible, so that its defaults are the
+    CPU's; one thread; the repository importable, before what PYTHONPATH held (an older torch's studies/older_torch).
+    (Only there: hiding the GPU from the tests' own process, once CUDA has started in it, makes torch count no
+    GPU where it already uses one, and torch.compile then fails.)"""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 def stderr_of_a_refusal(capsys, main, argv):
@@ -111,19 +121,17 @@ def one_thread():
 def cpu_defaults():
     """The suite means the CPU, on any machine: on a GPU machine the scripts default to --device=cuda,
     --dtype=bfloat16 and --compile=True, which would change what every test computes. So each script
-    imported by the tests gets the CPU's defaults, and a subprocess (`python train.py`, torchrun)
-    sees no GPU (CUDA_VISIBLE_DEVICES empty), so that its defaults are the CPU's too. Session-wide,
-    so that a module's fixture that trains a model trains it on the CPU. -> the values it replaced,
-    for the tests marked cuda: {"env": CUDA_VISIBLE_DEVICES or None, "settings": [(module, name, value)]}."""
-    replaced = {"env": os.environ.get("CUDA_VISIBLE_DEVICES"), "settings": []}
+    imported by the tests gets the CPU's defaults (a script started as a process gets script_env()).
+    Session-wide, so that a module's fixture that trains a model trains it on the CPU. -> the values it
+    replaced, for the tests marked cuda: [(module, name, value)]."""
+    replaced = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")
         # the scripts the test files imported (a script that nothing imported runs no test)
         loaded = [sys.modules[name] for name in SCRIPTS if name in sys.modules]
         for module in loaded:
             for name, value in CPU_DEFAULTS.items():
                 if hasattr(module, name):
-                    replaced["settings"].append((module, name, getattr(module, name)))
+                    replaced.append((module, name, getattr(module, name)))
                     patch.setattr(module, name, value)
         yield replaced
 
@@ -131,7 +139,7 @@ def cpu_defaults():
 @pytest.fixture(autouse=True)
 def cuda_tests_keep_the_cuda_defaults(request, cpu_defaults):
     """A test marked cuda is skipped without a GPU; with one, it runs with the scripts' own defaults
-    (cuda, bfloat16 in train.py and sample.py, compile) and every GPU visible."""
+    (cuda, bfloat16 in train.py and sample.py, compile)."""
     if request.node.get_closest_marker("cuda") is None:
         yield
         return
@@ -139,10 +147,6 @@ def cuda_tests_keep_the_cuda_defaults(request, cpu_defaults):
         pytest.skip("needs a CUDA GPU")
     # its own MonkeyPatch, not the test's: the test's is undone before leaves_no_global_state looks
     with pytest.MonkeyPatch.context() as patch:
-        if cpu_defaults["env"] is None:
-            patch.delenv("CUDA_VISIBLE_DEVICES")
-        else:
-            patch.setenv("CUDA_VISIBLE_DEVICES", cpu_defaults["env"])
-        for module, name, value in cpu_defaults["settings"]:
+        for module, name, value in cpu_defaults:
             patch.setattr(module, name, value)
         yield

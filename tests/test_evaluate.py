@@ -21,6 +21,7 @@ import configurator
 import evaluate
 import prepare
 from configurator import UserError
+from conftest import script_env
 from model import CKPT_FORMAT, GPT, GPTConfig, autocast, load_checkpoint, save_atomic, token_kl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,7 +401,7 @@ def test_ctrl_c_is_one_line(indir, monkeypatch, capsys):
 
 def test_help_lists_every_setting_and_exits_0():
     out = subprocess.run([sys.executable, "evaluate.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env=script_env())
     assert out.returncode == 0 and out.stderr == ""
     for key in configurator.read_settings(vars(evaluate)):
         assert f"--{key}=" in out.stdout

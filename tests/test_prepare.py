@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 import configurator
 import prepare
 from configurator import UserError
+from conftest import script_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -114,7 +115,7 @@ def exit_line(argv, monkeypatch, capsys):
 def run_prepare(argv, cwd, env=None):
     """prepare.py as a real process -> (exit code, stderr)."""
     cmd = [sys.executable, str(ROOT / "prepare.py"), *argv]
-    env = os.environ | {"OMP_NUM_THREADS": "1"} | (env or {})
+    env = script_env() | (env or {})
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stderr
 

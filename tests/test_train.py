@@ -22,6 +22,7 @@ import torch.distributed as dist
 import configurator
 import train
 from configurator import UserError, configure
+from conftest import script_env
 from model import GPT, GPTConfig, load_checkpoint, save_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,8 +385,7 @@ def test_ddp_two_cpu_processes_with_gloo(tiny_data):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "train.py")] + TINY + ["--max_iters=4", "--eval_interval=4", "--out_dir=ddp",
                                              "--gradient_accumulation_steps=2"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=script_env())
     causes = [line for line in run.stderr.splitlines() if "rror" in line or "what()" in line or "terminate" in line]
     assert run.returncode == 0, "\n".join(causes[:20]) or run.stderr[-2000:]
     assert run.stdout.count("iter 3:") == 1  # only rank 0 logs
@@ -694,9 +694,8 @@ def test_sigkill_during_repeated_saves_keeps_a_loadable_checkpoint(tmp_path):
 def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data):
     """A real SIGINT to `python train.py`, once its first checkpoint is there."""
     argv = TINY + ["--max_iters=100000", "--eval_interval=3", "--out_dir=o"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env,  # a background shell ignores SIGINT:
+                            stderr=subprocess.PIPE, text=True, env=script_env(),  # a background shell ignores SIGINT:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal
     while not Path("o/ckpt.pt").exists() and proc.poll() is None:
         time.sleep(0.05)
