@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The numbers a GPU run reports, on one GPU in about 5 minutes (the Python: studies/gpu_check.py):
+# The numbers a GPU run reports, on one GPU in about 7 minutes (the Python: studies/gpu_check.py):
 #
 #   ./gpu_check.sh --dataset=shakespeare_smollm2
 #

@@ -69,7 +69,8 @@ def decoding(out_dir, new_tokens, sample_flags):
             except (UserError, RuntimeError, OSError) as err:  # one row failed: say so, and go on
                 print(f"batch {batch:2d}  {' '.join(depth):14s} failed: {type(err).__name__}: {err}")
                 continue
-            lines = [line for line in report.getvalue().splitlines() if "tokens/s" in line or "compiled:" in line]
+            wanted = ("tokens/s", "compiled:", " at threshold ")  # an exit says which threshold it ran, and whose
+            lines = [line for line in report.getvalue().splitlines() if any(word in line for word in wanted)]
             lines.append(f"{cuda_graphs_recorded() - recorded_before} CUDA graphs recorded")
             print(f"batch {batch:2d}  {' '.join(depth):14s} " + " | ".join(lines))
 
