@@ -99,7 +99,8 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=s0.device)  # the new tokens' position in the caches
         self.e = s0.new_zeros(B, 1, c.n_embd)  # the new token's prelude output and state, in s0's dtype
         self.s = s0.new_zeros(B, 1, c.n_embd)
-        self.carried = s0.new_zeros(B, 1, c.vocab_size, dtype=torch.float32)  # each row's last readout (float32)
+        # each row's last readout, in float32 or finer (the KL exit's softmaxes; float64 in the tests' references)
+        self.carried = s0.new_zeros(B, 1, c.vocab_size, dtype=torch.promote_types(s0.dtype, torch.float32))
         self.looping = torch.zeros(B, dtype=torch.bool, device=s0.device)
         self.loops_ran = torch.zeros(B, dtype=torch.long, device=s0.device)
         self.stopped = torch.zeros((), dtype=torch.bool, device=s0.device)  # no row is looping
@@ -117,7 +118,7 @@ class Decoder:
 
     def loop(self):
         """One more loop of every row's new token: every row runs, and one that has stopped keeps its s, carried
-        logits (float32), loop count and cache slots (keeps_looping: at most r_max loops). Then `stopped` says
+        logits (float32 at least), loop count and cache slots (keeps_looping: at most r_max loops). Then `stopped` says
         whether no row is looping (a 0-dim bool on the device: reading it is the caller's one host wait)."""
         model, test = self.model, self.depth.test
         active = self.looping.clone()  # the rows this loop runs: their cache slots take its K/V
@@ -125,7 +126,7 @@ class Decoder:
         self.loops_ran.add_(active)
         logits_new = None
         if test is not None and test.needs_logits:
-            logits_new = model.readout(s_new, CacheView(self.caches["coda"], self.pos, active)).float()
+            logits_new = model.readout(s_new, CacheView(self.caches["coda"], self.pos, active)).to(self.carried.dtype)
         score = None  # uniform depth: the stop rule reads the loop count alone
         if test is not None:
             score = test.score(s_new, self.s, logits_new, self.carried)[:, 0]
@@ -237,9 +238,7 @@ def main(argv=()):
     generators = [torch.Generator(C.device).manual_seed(C.seed + i) for i in range(n)]
     # every token starts from a zero state, as allocate.py calibrates the exits (training's noise is for training)
     s0 = torch.zeros(n, len(ids) + C.max_new_tokens, model.config.n_embd, device=C.device)
-
-    def pick(logits):
-        return sample_next(logits, C.temperature, C.top_k, generators)
+    pick = partial(sample_next, temperature=C.temperature, top_k=C.top_k, generators=generators)
     compiler = None  # each decode step's part one graph, on CUDA a CUDA graph (inductor alone on the CPU)
     if C.compile:
         compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)

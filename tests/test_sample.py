@@ -116,9 +116,9 @@ def sampler(seed, n):
 
 
 def recording(pick, seen):
-    """A pick that also keeps the logits it was given."""
+    """A pick that also keeps (a copy of) the logits it was given: the engine overwrites them the next step."""
     def pick_and_keep(logits):
-        seen.append(logits)
+        seen.append(logits.clone())
         return pick(logits)
     return pick_and_keep
 

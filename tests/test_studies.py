@@ -313,7 +313,8 @@ def test_laptop_study_times_each_setting_once_and_reads_the_bracket_off_them(ind
 
 def test_generation_rate_runs_sample_py(indir, monkeypatch):
     """The one contract with sample.py: the tokens/s its report on stderr begins with; a refusal is its last line."""
-    assert laptop.generation_rate("out", 2, ("--loops=2",), 6) > 0
+    cpu = ("--device=cpu", "--dtype=float32", "--compile=False")  # a process of its own: on a GPU machine too
+    assert laptop.generation_rate("out", 2, ("--loops=2", *cpu), 6) > 0
     refused = subprocess.CompletedProcess([], 2, "", "warning: a line\nerror: no checkpoint at nowhere/ckpt.pt\n")
     monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: refused)  # a second Python start is seconds
     with pytest.raises(configurator.UserError, match="sample.py --loops=2 failed: error: no checkpoint at nowhere"):

@@ -5,7 +5,8 @@ folder is on PYTHONPATH (gpu_check.sh puts it there on such a torch):
     PYTHONPATH=studies/older_torch python train.py
 
 The definition makes the whole (rows, vocab) logits in float32 at once, where 2.13 goes a few rows at a time:
-the loss is the same, the memory larger (a GPU run's peak memory under it is an upper bound).
+the loss is the same, the memory larger (a GPU run's peak memory under it is an upper bound). On PYTHONPATH this
+file takes the place of any sitecustomize.py the Python installation has.
 """
 import torch
 import torch.nn.functional as F
