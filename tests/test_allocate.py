@@ -23,6 +23,7 @@ import model as model_lib
 import sample
 import train
 from configurator import UserError
+from conftest import stderr_of_a_refusal
 from evaluate import load_windows, paired_bootstrap
 from model import EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, load_checkpoint, token_loss
 
@@ -368,12 +369,8 @@ def test_a_third_exit_test_registered_in_one_place_runs_through_every_script(tra
 
 def one_line_error(capsys, *args):
     """allocate.py with args must refuse them: exit 2 and one line on stderr, through configurator.run."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sys.argv", ["allocate.py", *args])
-        with pytest.raises(SystemExit) as exit_:
-            configurator.run(allocate.main)
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    stderr = stderr_of_a_refusal(capsys, allocate.main, args)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     return stderr
 
 

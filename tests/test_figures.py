@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-import configurator
+from conftest import stderr_of_a_refusal
 from studies import figures
 
 MEAN = 4  # the hand-made run's training mean
@@ -67,13 +67,8 @@ def write_run(run_dir, names):
 
 def one_line_error(capsys, argv):
     """figures.main must refuse argv: exit 2 and one line on stderr, through configurator.run."""
-    capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sys.argv", ["figures", *argv])
-        with pytest.raises(SystemExit) as exit_:
-            configurator.run(figures.main)
-    stderr = capsys.readouterr().err
-    assert exit_.value.code == 2 and stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    stderr = stderr_of_a_refusal(capsys, figures.main, argv)
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     return stderr
 
 
