@@ -24,8 +24,10 @@ def read_settings(script):
     """{name: (default, comment)} of a script's top-level `name = default  # comment` lines."""
     with open(script["__file__"], encoding="utf-8") as f:
         source = f.read()
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    comment_on_line = {t.start[0]: t.string.lstrip("# ") for t in tokens if t.type == tokenize.COMMENT}
+    comment_on_line = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comment_on_line[token.start[0]] = token.string.lstrip("# ")
     settings = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
@@ -37,14 +39,17 @@ def read_settings(script):
 
 def check(key, value, default, rule):
     """value, if it fits the default's type and the rule; else UserError."""
-    if isinstance(default, float) and type(value) is int:  # --learning_rate=1 means 1.0
+    # --learning_rate=1 means 1.0
+    if isinstance(default, float) and type(value) is int:
         value = float(value)
     if type(value) is not type(default):
         raise UserError(f"--{key}: expected {type(default).__name__}, got {value!r}")
     if isinstance(value, str):
-        if not value:  # whitespace is a value (sample.py's prompt "\n")
+        # whitespace is a value (sample.py's prompt "\n"), nothing is not
+        if not value:
             raise UserError(f"--{key} must not be empty")
-        if any("\ud800" <= ch <= "\udfff" for ch in value):  # how Python carries argv bytes that are not UTF-8
+        # how Python carries argv bytes that are not UTF-8
+        if any("\ud800" <= ch <= "\udfff" for ch in value):
             raise UserError(f"--{key} is not UTF-8 text (convert it, e.g. with iconv)")
         if rule is not None and value not in rule:
             raise UserError(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
@@ -61,9 +66,14 @@ def read_config_file(path):
     try:
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), scope)
-    except (Exception, SystemExit) as err:  # a user's file may raise anything: name the file
+    # a user's file may raise anything: name the file
+    except (Exception, SystemExit) as err:
         raise UserError(f"{path}: {type(err).__name__}: {err}") from None
-    return {k: v for k, v in scope.items() if not k.startswith("_") and type(v).__name__ != "module"}
+    settings = {}
+    for key, value in scope.items():
+        if not key.startswith("_") and type(value).__name__ != "module":
+            settings[key] = value
+    return settings
 
 
 def parse_argv(argv, defaults):
@@ -73,17 +83,21 @@ def parse_argv(argv, defaults):
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            if not arg.endswith(".py"):  # a config file is run as Python: never a text file by mistake
+            # a config file is run as Python: never a text file by mistake
+            if not arg.endswith(".py"):
                 raise UserError(f"{arg!r}: expected --key=value or a config file ending in .py")
             given |= read_config_file(arg)
             continue
         key, has_value, text = arg[2:].partition("=")
-        if not has_value:  # `--key value`, or a bare `--flag`: True
-            text = True
-            if args and not args[0].startswith("--"):
-                text = args.pop(0)
-        # a text setting takes the text as it is (--start=1 is "1"); anything else is a Python literal
-        if key not in defaults or isinstance(defaults[key], str) or text is True:  # an unknown key: see configure
+        # `--key value`, or a bare `--flag`, which is True
+        if not has_value and args and not args[0].startswith("--"):
+            text = args.pop(0)
+        elif not has_value:
+            given[key] = True
+            continue
+        # A text setting takes the text as it is (--start=1 is "1"); anything else is a Python
+        # literal. An unknown key is kept as text: configure names it.
+        if key not in defaults or isinstance(defaults[key], str):
             given[key] = text
             continue
         try:
@@ -113,14 +127,18 @@ def configure(script, argv):
 
 
 def run(main):
-    """A script's entry point: what a user typed or pointed at is one line and exit 2 (a UserError, a
-    file or folder the OS refuses, the network, a missing package, out of memory), Ctrl-C exit 130."""
+    """A script's entry point: what a user typed or pointed at is one line and exit 2 (a
+    UserError, a file or folder the OS refuses, the network, a missing package, out of memory);
+    Ctrl-C is exit 130."""
     try:
         main(sys.argv[1:])
-    except (UserError, OSError) as err:  # OSError: a path, a permission, the network (ConnectionError)
+    # OSError: a path, a permission, the network (ConnectionError)
+    except (UserError, OSError) as err:
         fail(err)
-    except ModuleNotFoundError as err:  # a package only some sources need (datasets): say how to add it
-        if err.name is None:  # raised by a package itself (a broken install): its message is all there is
+    # a package only some sources need (datasets): say how to add it
+    except ModuleNotFoundError as err:
+        # raised by a package itself (a broken install): its message is all there is
+        if err.name is None:
             fail(f"{err} (is a package broken? reinstall it)")
         fail(f"{err}: pip install {err.name.partition('.')[0]}")
     except (KeyboardInterrupt, RuntimeError) as err:
@@ -129,10 +147,12 @@ def run(main):
             print("interrupted", file=sys.stderr)
             sys.exit(130)
         # torch.OutOfMemoryError on a GPU; on a CPU the allocator's RuntimeError says so
-        if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in str(err):
+        out_of_memory = type(err).__name__ == "OutOfMemoryError"
+        if not out_of_memory and "can't allocate memory" not in str(err):
             raise
         fail("out of memory: try a smaller batch or model")
-    except MemoryError:  # numpy's or Python's own allocation failed
+    # numpy's or Python's own allocation failed
+    except MemoryError:
         fail("out of memory: try a smaller batch or model")
 
 

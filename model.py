@@ -9,12 +9,15 @@ Llama-style blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases); 
 blocks add sandwich norms, so that the state neither collapses nor blows up over many loops.
 
 Every loop in the project is built from four verbs: prelude, init_state, core_step, readout.
+Training draws each step's depth r from sample_loops; a token's exit test (EXIT_TESTS) and the
+stop rule (keeps_looping) decide how deep each token runs at inference.
 """
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -23,14 +26,18 @@ import torch.nn.functional as F
 
 from configurator import UserError
 
-CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
-LOGITS_CHUNK = 2 ** 27  # logits per chunk of the KL and loss per token: 512 MB in float32
-MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before loop 2
+# marks the checkpoints train.py writes
+CKPT_FORMAT = "nanoloop-1"
+# logits per chunk of the per-token KL and loss: 512 MB in float32
+LOGITS_CHUNK = 2 ** 27
+# an exit test compares two loops, so no token stops before loop 2
+MIN_EXIT_LOOP = 2
 
 
 @dataclass
 class GPTConfig:
-    """A model's shape and loop distribution; the defaults are the paper's S0 (train.py's differ)."""
+    """A model's shape and loop distribution; the defaults are the paper's S0 (train.py's: its
+    own)."""
     vocab_size: int = 49152
     block_size: int = 512
     n_embd: int = 384
@@ -40,23 +47,41 @@ class GPTConfig:
     n_prelude: int = 2
     n_core: int = 4
     n_coda: int = 2
+    # the loop distribution (sample_loops): a training step's depth and the loops it backpropagates
     mean_loops: int = 4
     max_loops: int = 16
+    loop_spread: float = 0.5
+    loop_dist: str = "lognormal"
     bptt_k: int = 4
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     state_std: float = math.sqrt(2 / 5)
 
     def __post_init__(self):
-        """Refuse a shape no model can have: UserError (the sizes' ranges are train.py's RULES)."""
+        """Refuse a shape no model can have (UserError); the sizes' ranges are train.py's RULES."""
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise UserError(f"n_head={self.n_head} must divide n_embd={self.n_embd}, "
                             f"and n_kv_head={self.n_kv_head} must divide n_head")
         head_dim = self.n_embd // self.n_head
-        if head_dim % 2:  # RoPE rotates pairs of channels
+        # RoPE rotates pairs of channels
+        if head_dim % 2:
             raise UserError(f"the head size n_embd / n_head = {head_dim} must be even")
         if self.mean_loops > self.max_loops:
             raise UserError(f"mean_loops={self.mean_loops} > max_loops={self.max_loops}")
+
+
+def sample_loops(config, step, seed):
+    """One training step's depth, from (seed, step) alone so that every rank draws the same one.
+    'lognormal': round(exp(N(log mean_loops, loop_spread))) clamped to [1, max_loops], whose
+    median is mean_loops (the paper's); 'fixed': mean_loops."""
+    if config.loop_dist == "fixed":
+        return config.mean_loops
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    z = torch.randn((), generator=generator, dtype=torch.float64).item()
+    # clamped before exp, which a wide spread would overflow
+    log_loops = math.log(config.mean_loops) + config.loop_spread * z
+    log_loops = min(log_loops, math.log(config.max_loops))
+    return max(round(math.exp(log_loops)), 1)
 
 
 class RMSNorm(nn.Module):
@@ -71,38 +96,36 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of one stack of blocks, one slot per sequence and position: k and v are lists
-    of a tensor (batch, n_kv_head, block_size, head_dim) per layer.
-
-    Used for the core, this is Huginn's rule: a token's slot holds the K/V of the last loop it ran,
-    so a token that stopped looping early is seen by later tokens as it was when it stopped."""
+    """Keys and values of one stack of blocks: k and v are lists of a tensor (batch, n_kv_head,
+    block_size, head_dim) per layer. For the core, a token's slot holds the K/V of the last loop
+    it ran (Huginn's rule): later tokens see a token that stopped early as it was then."""
 
     def __init__(self, config, n_layers, batch, device, dtype):
-        shape = (batch, config.n_kv_head, config.block_size, config.n_embd // config.n_head)
-        # a tensor per layer: compiled, a write into a view of one stacked tensor copied it whole
+        head_dim = config.n_embd // config.n_head
+        shape = (batch, config.n_kv_head, config.block_size, head_dim)
+        # A tensor per layer: compiled, a write into a view of one stacked tensor copied it whole.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        for tensor in self.k + self.v:  # at fixed addresses: a CUDA graph writes them in place
-            torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 class CacheView(NamedTuple):
-    """Where one call's tokens sit in a KVCache: a prefill's T tokens at positions 0..T-1 (pos None), or
-    one new token per row at pos, a (1,) long tensor, written in the rows `active` (B,) bool (None: all)."""
+    """Where one call's tokens sit in a KVCache. A prefill: T tokens at positions 0..T-1 (pos None).
+    A decoded token: one per row at pos, a (1,) long tensor, stored in the rows where `active`
+    (B,) bool is True (None: every row)."""
     cache: KVCache
     pos: torch.Tensor | None = None
     active: torch.Tensor | None = None
 
     def write(self, layer, k, v):
-        """Store k, v (B, n_kv_head, T, head_dim) at positions 0..T-1, or (T = 1) at pos in the active rows."""
-        # k and v come in the dtype the cache was made in (GPT.new_cache: attention's, bf16 under autocast)
+        """Store k, v (B, n_kv_head, T, head_dim) at positions 0..T-1, or (T = 1) at pos."""
         keys, values = self.cache.k[layer], self.cache.v[layer]
         positions = torch.arange(k.size(2), device=k.device) if self.pos is None else self.pos
-        if self.active is not None:  # a row that has stopped keeps the K/V of the last loop it ran
+        # A row that has stopped looping keeps the K/V of the last loop it ran.
+        if self.active is not None:
             ran = self.active.view(-1, 1, 1, 1)
             k = torch.where(ran, k, keys.index_select(2, positions))
             v = torch.where(ran, v, values.index_select(2, positions))
-        # index_copy_ at a position tensor: the same kernel at every step, and pos is never read on the host
+        # index_copy_ at a position tensor: one kernel at every step, pos never read on the host
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
 
@@ -115,7 +138,8 @@ def autocast_input(x):
 
 
 def apply_rope(x, cos, sin):
-    # the tables come in x's dtype (GPT.rope): float32 tables silently promoted bf16 q and k (a bug the paper reports)
+    """Rotate x (..., head_dim) by the tables (T, head_dim / 2), which come in x's dtype:
+    float32 tables would silently promote bf16 q and k (a bug the paper reports)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -135,23 +159,21 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
         x = autocast_input(x)
-        # q (B, n_head, T, head_dim); k and v have n_kv_head heads, each shared by n_head / n_kv_head queries
+        # q has n_head heads; k and v n_kv_head, each shared by n_head / n_kv_head query heads
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(layer, k, v)
-        if cache is None or cache.pos is None:  # a window from position 0: training, a prefill (a fused kernel)
+        # a window from position 0 (training, a prefill) attends causally
+        if cache is None or cache.pos is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # one new token per row: the whole cache, masked after its position (the same shapes every step)
+        else:
+            # one new token per row reads the whole cache, masked after its position
             k, v = cache.cache.k[layer], cache.cache.v[layer]
-            visible = torch.arange(k.size(2), device=k.device) <= cache.pos[:, None]  # (1, block_size)
-            # The query heads of a K/V group share its keys and, one token each, one mask: laid out as the group's
-            # rows, (B, n_kv_head, group, head_dim), they need no repeated cache, and the fused kernels take them
-            # with a mask (with enable_gqa and a mask, torch falls back to its math kernel)
-            grouped = q.view(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
-            y = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible).view(B, self.n_head, 1, -1)
+            visible = torch.arange(k.size(2), device=k.device) <= cache.pos[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -178,7 +200,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        # the core's sandwich: a norm after each sublayer too, before it is added to the stream
+        # The core's sandwich: a norm after each sublayer too, before it is added to the stream.
         self.attn_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
         self.mlp_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
 
@@ -225,16 +247,18 @@ class GPT(nn.Module):
         self.coda_blocks = Stack(c, c.n_coda)
         self.norm = RMSNorm(c.n_embd, c.norm_eps)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        # tied input and output embeddings
+        self.lm_head.weight = self.wte.weight
         # RoPE: channel pair j of a head turns by position x rope_theta^(-2j / head_dim)
         head_dim = c.n_embd // c.n_head
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        # Output projections (wo, w_down) shrink with the depth unrolled at mean_loops, so the
-        # stream's variance does not grow with the number of blocks it passes through.
-        std = math.sqrt(2 / (5 * c.n_embd))  # "small init" (Nguyen & Salazar): sqrt(2 / (5 d))
+        # "Small init" (Nguyen & Salazar), std sqrt(2 / (5 d)). The output projections (wo, w_down)
+        # shrink with the depth unrolled at mean_loops, so that the stream's variance does not grow
+        # with the number of blocks it passes through.
+        std = math.sqrt(2 / (5 * c.n_embd))
         depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
         out_std = std / math.sqrt(2 * depth)
         for name, p in self.named_parameters():
@@ -243,7 +267,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=out_std if is_output else std)
 
     def rope(self, T, cache=None):
-        """The rotary tables (T, head_dim / 2) from position 0 or at a decoded token's, cast once to q's dtype."""
+        """The rotary tables (T, head_dim / 2) from position 0, or at a decoded token's position,
+        cast once to q's dtype."""
         positions = slice(T) if cache is None or cache.pos is None else cache.pos
         return autocast_input(self.rope_cos[positions]), autocast_input(self.rope_sin[positions])
 
@@ -265,24 +290,32 @@ class GPT(nn.Module):
         """One loop: (e, s_{i-1}) (B, T, d) -> s_i (B, T, d)."""
         return self.core(e, s, *self.rope(s.size(1), cache), cache)
 
-    def readout(self, s, cache=None):
-        """State (B, T, d) -> logits (B, T, vocab): the coda, then the tied head."""
-        return self.lm_head(self.coda(s, cache))
-
-    def coda(self, s, cache=None):
-        """State (B, T, d) -> what the head reads (B, T, d): the coda's blocks and the final norm. The training
-        loss applies the head itself (forward), so that training and inference share this path."""
-        return self.norm(self.coda_blocks(s, *self.rope(s.size(1), cache), cache))
+    def readout(self, s, cache=None, targets=None):
+        """State (B, T, d) -> logits (B, T, vocab): the coda's blocks, the final norm, the tied
+        head. With targets (B, T), the mean cross-entropy of those logits instead (-1: not scored).
+        Training's loss and inference both come here, so that a change to the readout is one."""
+        normed = self.norm(self.coda_blocks(s, *self.rope(s.size(1), cache), cache))
+        if targets is None:
+            return self.lm_head(normed)
+        # The loss applies the head a few rows at a time, in float32 under any autocast, so that no
+        # (B, T, vocab) logits are kept for backward (about 12 bytes a logit if they were).
+        chunks = torch.nn.LinearCrossEntropyOptions()
+        rows = normed.float().flatten(0, 1)
+        return F.linear_cross_entropy(rows, self.lm_head.weight, targets.flatten(),
+                                      ignore_index=-1, options=chunks)
 
     def new_cache(self, n_layers, batch):
-        """An empty KVCache for n_layers blocks, in the dtype attention computes in."""
-        weight = autocast_input(self.wte.weight[:1])  # the weights' dtype, or autocast's
+        """An empty KVCache for n_layers blocks, in the dtype attention computes in (the weights',
+        or autocast's)."""
+        weight = autocast_input(self.wte.weight[:1])
         return KVCache(self.config, n_layers, batch, weight.device, weight.dtype)
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
-        """idx (B, T) -> (logits (B, T, vocab), None), or with targets (None, mean loss). Truncated
-        backprop: the first loops - bptt_k loops run without gradients."""
-        loops = self.config.mean_loops if loops is None else loops
+        """idx (B, T) -> logits (B, T, vocab) after `loops` loops (None: mean_loops); with targets
+        (B, T), the mean loss instead. Truncated backprop: the first loops - bptt_k loops run
+        without gradients."""
+        if loops is None:
+            loops = self.config.mean_loops
         e = self.prelude(idx)
         s = self.init_state(e, state_init, generator)
         n_grad = min(loops, self.config.bptt_k)
@@ -291,16 +324,9 @@ class GPT(nn.Module):
                 s = self.core_step(e, s)
         for _ in range(n_grad):
             s = self.core_step(e, s)
-        if targets is None:
-            return self.readout(s), None
-        # The readout without its head: the loss applies the head a few rows at a time, in float32 under any
-        # autocast, so that no (B, T, vocab) logits are kept for backward (about 12 bytes a logit if they were)
-        normed = self.coda(s).float()
-        chunks = torch.nn.LinearCrossEntropyOptions()  # torch's choice of rows per chunk for this device
-        return None, F.linear_cross_entropy(normed.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                            ignore_index=-1, options=chunks)
+        return self.readout(s, targets=targets)
 
-    # ---- the FLOP ledger: one count for the FLOP rate train.py logs (MFU) and for allocate.py
+    # ---- the FLOP ledger: one count for train.py's FLOP rate (MFU) and for allocate.py
     def flop_terms(self, T):
         """Forward FLOPs per token of (the prelude, one loop, the readout) in a window of T:
         2 per matmul weight, and 4 * T * d per attention layer (scores and values)."""
@@ -308,7 +334,8 @@ class GPT(nn.Module):
             return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
         c = self.config
         attention = 4 * T * c.n_embd
-        prelude = matmuls(self.prelude_blocks) + attention * c.n_prelude  # wte is a lookup
+        # the embedding is a lookup, not a matmul
+        prelude = matmuls(self.prelude_blocks) + attention * c.n_prelude
         loop = matmuls(self.core) + attention * c.n_core
         readout = matmuls(self.coda_blocks) + matmuls(self.lm_head) + attention * c.n_coda
         return prelude, loop, readout
@@ -320,37 +347,39 @@ class GPT(nn.Module):
 
     def inference_flops(self, loops, T, exit_test=None):
         """Forward FLOPs per token of `loops` loops (a number or an array of averages): uniform
-        depth, or with an ExitTest its readouts (KL: one per loop) and tests (from MIN_EXIT_LOOP)."""
+        depth, or with an ExitTest its readouts (KL: one a loop) and tests (from MIN_EXIT_LOOP)."""
         prelude, loop, readout = self.flop_terms(T)
         if exit_test is None:
             return prelude + loops * loop + readout
         readouts = loops if exit_test.needs_logits else 1
-        tests = loops - (MIN_EXIT_LOOP - 1)  # a test after each loop from MIN_EXIT_LOOP
-        return prelude + loops * loop + readouts * readout + tests * exit_test.flops(self.config)
+        tests = loops - (MIN_EXIT_LOOP - 1)
+        test_flops = exit_test.flops(self.config)
+        return prelude + loops * loop + readouts * readout + tests * test_flops
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device):
-        """AdamW with weight decay on the matrices only, fused on CUDA."""
-        matrices = [p for p in self.parameters() if p.dim() >= 2]  # decayed; the norms' gains are not
+        """AdamW with weight decay on the matrices only (not the norms' gains), fused on CUDA."""
+        matrices = [p for p in self.parameters() if p.dim() >= 2]
         gains = [p for p in self.parameters() if p.dim() < 2]
         groups = [{"params": matrices, "weight_decay": weight_decay},
                   {"params": gains, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device.startswith("cuda"))
+        fused = device.startswith("cuda")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
 
 # ---- per-token measures, in float32 whatever the autocast, by chunks of LOGITS_CHUNK
 def by_chunks(fn, logits, other):
-    """fn(float32 rows of logits (N, V), rows of other) -> (N,), over logits (..., V) -> (...)."""
-    # a batch's logits need not fit in float32 at once (S1's 8 x 2048 x 49,152 are 3.2 GB)
+    """fn(float32 rows of logits (N, V), rows of other) -> (N,), over logits (..., V) -> (...).
+    other's rows follow logits' rows: targets (N,) or a second set of logits (N, V)."""
+    # A batch's logits need not fit in float32 at once (S1's 8 x 2048 x 49,152 are 3.2 GB).
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
     mine = logits.reshape(-1, logits.size(-1)).split(rows)
-    # other's rows follow logits' rows: targets (N,) or a second set of logits (N, V)
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
     results = [fn(a.float(), b) for a, b in zip(mine, theirs)]
     return torch.cat(results).view(logits.shape[:-1])
 
 
 def token_kl(logits_p, logits_q):
-    """KL(p || q) per token, p and q the softmaxes of logits (..., V) -> (...); exactly 0 where p == q."""
+    """KL(p || q) per token, p and q the softmaxes of logits (..., V) -> (...); 0 where p == q."""
     def kl(p, q):
         log_p = F.log_softmax(p, -1)
         log_q = F.log_softmax(q.float(), -1)
@@ -361,7 +390,7 @@ def token_kl(logits_p, logits_q):
 
 def token_loss(logits, targets):
     """Cross-entropy per token: logits (..., V), targets (...) -> (...)."""
-    return by_chunks(lambda a, b: F.cross_entropy(a, b, reduction="none"), logits, targets)
+    return by_chunks(partial(F.cross_entropy, reduction="none"), logits, targets)
 
 
 def state_change(s_new, s_old, relative=False):
@@ -372,36 +401,47 @@ def state_change(s_new, s_old, relative=False):
     return delta / s_new.float().norm(dim=-1).clamp_min(1e-12)
 
 
-# ---- exit tests, in one registry: sample.py's --exit, evaluate.trace's scores, allocate.py's policies and the
-# FLOP ledger all read EXIT_TESTS, so a new test is one entry there. After each loop from MIN_EXIT_LOOP,
-# a token stops once its score is below a threshold (keeps_looping).
+# ---- exit tests, in one registry. sample.py's --exit, evaluate.trace's scores, allocate.py's
+# policies and the FLOP ledger all read EXIT_TESTS, so a new test is one entry there. After each
+# loop from MIN_EXIT_LOOP, a token stops once its score is below a threshold (keeps_looping).
 class ExitTest(NamedTuple):
-    score: Callable  # (s_new, s_old, logits_new, logits_old) -> a score per token
-    flops: Callable  # config -> FLOPs per token of one test
-    needs_logits: bool = False  # a readout at every loop, carried to the next (the KL exit)
-    threshold: float = 1e-3  # sample.py's, unless allocate.py calibrated one for the checkpoint
-    policy: str = ""  # its name in allocate.py's tables (the paper's A1, A1s): each registered test its own
+    # (s_new, s_old, logits_new, logits_old) -> a score per token; logits are None without a readout
+    score: Callable
+    # config -> FLOPs per token of one test
+    flops: Callable
+    # a readout after every loop, carried to the next (the KL exit)
+    needs_logits: bool = False
+    # sample.py's, unless allocate.py calibrated one for the checkpoint
+    threshold: float = 1e-3
+    # its name in the paper (A1, A1s), a label in allocate.py's tables; its key is its name
+    label: str = ""
 
 
 def kl_score(s_new, s_old, logits_new, logits_old):
-    return token_kl(logits_new, logits_old)  # the paper's A1: KL(p_i || p_{i-1})
+    """The paper's A1: KL(p_i || p_{i-1}) of the readouts after the last two loops."""
+    return token_kl(logits_new, logits_old)
 
 
 def state_score(s_new, s_old, logits_new, logits_old):
-    return state_change(s_new, s_old, relative=True)  # A1s: ||s_i - s_{i-1}|| / ||s_i||, no readout
+    """A1s: the relative state change ||s_i - s_{i-1}|| / ||s_i||, with no readout."""
+    return state_change(s_new, s_old, relative=True)
 
 
+# The FLOPs of a test: per vocabulary entry for KL, two log-softmaxes (4 each: max, exp, sum,
+# log), an exp, a difference, a product and a sum; per state channel for the state change, a
+# difference and two norms (2 each: a square and a sum).
 EXIT_TESTS = {
-    # per vocabulary entry: two log-softmaxes (4 each: max, exp, sum, log), an exp, a difference, a product, a sum
-    "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True, threshold=1e-3, policy="A1"),
-    # per state channel: a difference and two norms (2 each: a square and a sum)
-    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, threshold=0.05, policy="A1s"),
+    "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True,
+                   threshold=1e-3, label="A1"),
+    "state": ExitTest(state_score, lambda config: 5 * config.n_embd, threshold=0.05, label="A1s"),
 }
 
 
 class DepthPolicy(NamedTuple):
-    """How deep each token runs: r_max loops, or with an exit test until its score is below threshold."""
-    test: ExitTest | None  # None: uniform depth, every token runs r_max loops
+    """How deep each token runs: r_max loops, or with an exit test until its score is below
+    threshold."""
+    # None: uniform depth, every token runs r_max loops
+    test: ExitTest | None
     threshold: float
     r_max: int
 
@@ -410,25 +450,31 @@ def uniform_depth(loops):
     return DepthPolicy(None, 0.0, loops)
 
 
-def keeps_looping(loops, score, depth):
-    """The stop rule, written once (sample.py's decode loop, exit_depth): after a token's loop number `loops`,
-    whose exit score is `score` (tensors alike), does it loop again? Never past depth.r_max; with an exit test,
-    always to MIN_EXIT_LOOP (a test compares two loops), then until its score is below the threshold (a NaN
-    score, never below anything, stops no token)."""
-    go_on = loops < depth.r_max
-    if depth.test is not None:
-        go_on = go_on & ((loops < MIN_EXIT_LOOP) | ~(score < depth.threshold))
-    return go_on
+def keeps_looping(loop, score, depth):
+    """The stop rule, written once (sample.py's decode, exit_depth): after loop number `loop` (a
+    number, or a tensor of each token's), a token whose exit score is `score` loops again if this
+    is True. Never past depth.r_max; with an exit test, always to MIN_EXIT_LOOP (a test compares
+    two loops), then until its score is below the threshold."""
+    go_on = loop < depth.r_max
+    if depth.test is None:
+        return go_on
+    # A NaN score is never below a threshold: it stops no token.
+    settled = score < depth.threshold
+    return go_on & ((loop < MIN_EXIT_LOOP) | ~settled)
 
 
 def exit_depth(scores, depth):
-    """A trace's exit scores (n_loops, ...), row i after loop i + 1, -> (...) the loops each token runs under
-    depth (a DepthPolicy with r_max <= n_loops): the first loop after which keeps_looping says stop."""
+    """A trace's exit scores (n_loops, ...), the score after loop i in row i - 1, -> (...) the loops
+    each token runs under depth (a DepthPolicy, r_max <= n_loops): the loop after which
+    keeps_looping first says stop, as the decoder runs it."""
     if depth.r_max > len(scores):
         raise ValueError(f"r_max {depth.r_max} is deeper than the {len(scores)} loops traced")
-    loops = torch.arange(1, len(scores) + 1, device=scores.device).view(-1, *[1] * (scores.dim() - 1))
-    stops = ~keeps_looping(loops, scores, depth).expand_as(scores)  # (uniform depth reads the loops alone)
-    return stops.int().argmax(0) + 1  # argmax finds the first True (at r_max at the latest)
+    loops_run = torch.zeros(scores.shape[1:], dtype=torch.long, device=scores.device)
+    looping = torch.ones(scores.shape[1:], dtype=torch.bool, device=scores.device)
+    for loop in range(1, depth.r_max + 1):
+        loops_run += looping
+        looping &= keeps_looping(loop, scores[loop - 1], depth)
+    return loops_run
 
 
 # ---- devices and precision: every --device this machine has (each script's RULES refuse others)
@@ -467,13 +513,18 @@ def checkpoint_id(ckpt):
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (the GPT train.py saved at path, in eval mode on device; the checkpoint dict); UserError if there is
-    none. Loaded with weights_only: a pickle never runs code; a corrupt or hand-edited file raises torch's error."""
+    """-> (the GPT train.py saved at path, in eval mode on device; the checkpoint dict); UserError
+    if there is none. Loaded with weights_only, so a pickle never runs code; a corrupt or
+    hand-edited file raises torch's own error."""
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
-    model = GPT(GPTConfig(**ckpt["model_args"]))
+    # a checkpoint from before the loop distribution joined GPTConfig kept two of its settings
+    # in its config
+    config = ckpt["config"]
+    older = {key: config[key] for key in ("loop_spread", "loop_dist") if key in config}
+    model = GPT(GPTConfig(**(older | ckpt["model_args"])))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt

@@ -1,11 +1,13 @@
 """Train a depth-recurrent transformer with randomized depth and truncated backprop.
 
-    python prepare.py && python train.py   # the CPU default: Shakespeare, ~10 min on 2 cores
-    python train.py config/s0.py           # a config file, then --key=value, override the settings below
+    python prepare.py && python train.py   # the CPU default: Shakespeare, ~11 min on 2 cores
+    python train.py config/s0.py           # a config file, then --key=value, override the settings
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
+    python train.py --init_from=out-shakespeare/ckpt.pt --dataset=mine --out_dir=out-mine
 
-Each step draws its depth r from a LogNormal, the same on every rank, and runs r - bptt_k loops
-without gradients, then bptt_k with them. Writes out_dir/ckpt.pt and out_dir/metrics.jsonl."""
+Each step draws its depth r from the loop distribution (model.sample_loops), the same on every
+rank, and runs r - bptt_k loops without gradients, then bptt_k with them. Writes out_dir/ckpt.pt
+and out_dir/metrics.jsonl."""
 import json
 import math
 import os
@@ -18,14 +20,15 @@ import torch.distributed as dist
 
 import prepare
 from configurator import UserError, configure, run
-from model import CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, load_checkpoint, save_atomic
+from model import (CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, load_checkpoint, sample_loops,
+                   save_atomic)
 
 # I/O
 out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
 eval_interval = 100  # steps between evaluations and saves
 log_interval = 10  # steps between log lines
 eval_iters = 10  # batches per evaluation
-init_from = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = "scratch"  # 'scratch', 'resume' (out_dir/ckpt.pt), or a ckpt.pt to fine-tune
 overwrite_checkpoint = False  # let a scratch run replace ckpt.pt and metrics.jsonl
 # data
 dataset = "shakespeare"  # data/<dataset>/ from prepare.py
@@ -40,12 +43,13 @@ ffn_hidden = 512  # SwiGLU hidden width
 n_prelude = 1  # unique blocks before the core
 n_core = 1  # blocks in the weight-tied core
 n_coda = 1  # unique blocks after the core
+state_std = math.sqrt(2 / 5)  # std of the noise initial state
+# the loop distribution (model.sample_loops)
 mean_loops = 8  # median of the loop distribution
 loop_spread = 0.5  # sigma of the LogNormal over loops (the paper's 0.5)
 max_loops = 32  # loops are clamped to this
-bptt_k = 8  # loops that get gradients (the last ones)
-state_std = math.sqrt(2 / 5)  # std of the noise initial state
 loop_dist = "lognormal"  # 'lognormal' (randomized) or 'fixed' (mean_loops)
+bptt_k = 8  # loops that get gradients (the last ones)
 # optimizer
 learning_rate = 2e-3  # peak learning rate
 max_iters = 400  # optimizer steps (a resumed run: up to this step)
@@ -63,29 +67,22 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
 seed = 1337  # seeds the depths, data order and noise
 
-# the choices, and the bounds that a default's type does not say (a number is otherwise >= 0)
-RULES = {"init_from": ("scratch", "resume"), "loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
-         "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),  # at 1, AdamW's bias correction divides by zero
-         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}  # seed * 1_000_003 + step must fit 64 bits
-RULES |= dict.fromkeys(["max_iters", "eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
-                        "batch_size", "block_size", "n_embd", "n_head", "n_kv_head", "ffn_hidden", "n_core",
-                        "mean_loops", "max_loops", "bptt_k"], (1, math.inf))  # n_prelude, n_coda, state_std may be 0
-MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name in globals()]  # vocab_size: the dataset's
-
-
-def sample_loops(step, seed, mean_loops, max_loops, dist="lognormal", spread=0.5):
-    """One step's depth from (seed, step) alone, so that every rank draws the same one:
-    round(exp(N(log mean_loops, spread))) clamped to [1, max_loops], whose median is mean_loops."""
-    if dist == "fixed":
-        return mean_loops
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    z = torch.randn((), generator=g, dtype=torch.float64).item()
-    log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))  # before exp, which overflows
-    return max(round(math.exp(log_r)), 1)
+# The choices, and the bounds that a default's type does not say (a number is otherwise >= 0).
+# At beta 1, AdamW's bias correction divides by zero; seed * 1_000_003 + step must fit 64 bits.
+RULES = {"loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
+         "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),
+         "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}
+# n_prelude, n_coda and state_std may be 0
+AT_LEAST_ONE = ["max_iters", "eval_interval", "log_interval", "eval_iters",
+                "gradient_accumulation_steps", "batch_size", "block_size", "n_embd", "n_head",
+                "n_kv_head", "ffn_hidden", "n_core", "mean_loops", "max_loops", "bptt_k"]
+RULES |= dict.fromkeys(AT_LEAST_ONE, (1, math.inf))
+# the settings that are the model's shape and loop distribution (vocab_size: the dataset's)
+MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name in globals()]
 
 
 def get_lr(it, C):
-    """Linear warm-up (-1: over 1% of the decay), then a cosine decay to min_lr at lr_decay_iters."""
+    """Linear warm-up (-1: over 1% of the decay), a cosine decay to min_lr at lr_decay_iters."""
     decay_iters = C.lr_decay_iters or C.max_iters
     warmup = C.warmup_iters
     if warmup < 0:
@@ -98,49 +95,57 @@ def get_lr(it, C):
 
 
 def get_batch(path, meta, shape, generator, device):
-    """Random windows of a token file: x and y (batch_size, block_size) = shape, y shifted by one."""
-    data = np.memmap(path, dtype=meta["dtype"], mode="r")  # opened for each batch: a kept memmap leaks
+    """Random windows of a token file: x and y (batch_size, block_size) = shape, y shifted by
+    one. The file is opened for each batch: a memmap kept open leaks memory."""
+    data = np.memmap(path, dtype=meta["dtype"], mode="r")
     batch_size, block_size = shape
     if len(data) < block_size + 2:
         raise UserError(f"{path} has {len(data)} tokens, fewer than block_size + 2")
-    starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator).tolist()
-    windows = [data[i:i + block_size + 1].astype(np.int64) for i in starts]
+    starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
+    windows = [data[i:i + block_size + 1].astype(np.int64) for i in starts.tolist()]
     xy = torch.from_numpy(np.stack(windows))
+    # pinned, the copy to the GPU runs beside its work
     if "cuda" in device:
-        xy = xy.pin_memory()  # so that the copy to the GPU runs beside its work
+        xy = xy.pin_memory()
     xy = xy.to(device, non_blocking=True)
     return xy[:, :-1], xy[:, 1:]
 
 
-def train_step(model, optimizer, batches, loops, C, world=1):
-    """One optimizer step on this rank's micro-batches [(x, y)] at depth `loops`, the gradient
-    averaged over them and over `world` ranks. -> (this rank's mean loss, whether it stepped)."""
+def train_step(model, optimizer, batches, loops, generator, C, world=1):
+    """One optimizer step on this rank's micro-batches [(x, y)] at depth `loops`, their initial
+    states drawn with generator, the gradient averaged over them and over `world` ranks. -> (this
+    rank's mean loss, whether it stepped)."""
     loss_sum = 0.0
-    # each micro-batch's loss divided by their number: the gradients add up to the step's mean loss's
+    # Each micro-batch's loss is divided by their number: the gradients add up to the gradient of
+    # the step's mean loss.
     for x, y in batches:
         with autocast(x.device.type, C.dtype):
-            loss = model(x, y, loops=loops)[1] / len(batches)
+            loss = model(x, y, loops=loops, generator=generator) / len(batches)
         loss.backward()
         loss_sum += loss.detach()
-    if world > 1:  # the ranks' gradients summed, then divided: gloo has no average
+    # The ranks' gradients are summed, then divided: gloo has no average.
+    if world > 1:
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), C.grad_clip or math.inf)
     finite = torch.isfinite(loss_sum + grad_norm).float()
-    if world > 1:  # one rank's overflow skips the step on every rank, or their weights part
+    # One rank's overflow skips the step on every rank, or their weights would part.
+    if world > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     stepped = bool(finite.item())
     if stepped:
         optimizer.step()
-    optimizer.zero_grad()  # to None: a skipped step leaves no gradient behind
+    # to None: a skipped step leaves no gradient behind
+    optimizer.zero_grad()
     return float(loss_sum), stepped
 
 
 def check_skips(skipped, it, grace):
-    """UserError once the skipped steps (the last one `it`) say that the run is lost. The paper aborts "if skips
-    exceed 0.1 percent of steps or three consecutive occurrences": here 0.1% of the steps so far, from step
-    `grace` on, so that a burst stops the run when it comes (one skip after the grace aborts until step 999)."""
+    """UserError once the skipped steps (the last one `it`) say that the run is lost. The paper
+    aborts "if skips exceed 0.1 percent of steps or three consecutive occurrences": here 0.1% of
+    the steps so far, from step `grace` on, so that a burst stops the run when it comes (one skip
+    after the grace aborts until step 999)."""
     if skipped[-3:] == [it - 2, it - 1, it]:
         raise UserError(f"iter {it}: 3 consecutive non-finite steps")
     steps_so_far = it + 1
@@ -150,8 +155,8 @@ def check_skips(skipped, it, grace):
 
 @torch.no_grad()
 def estimate_loss(model, data_dir, meta, shape, C, device):
-    """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation (streams of
-    their own, so that a resumed run draws what an uninterrupted one does)."""
+    """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation
+    (streams of their own, so that a resumed run draws what an uninterrupted one does)."""
     losses = {}
     for split in ("train", "val"):
         g_batch = torch.Generator().manual_seed(C.seed + 1)
@@ -160,143 +165,193 @@ def estimate_loss(model, data_dir, meta, shape, C, device):
         for _ in range(C.eval_iters):
             x, y = get_batch(f"{data_dir}/{split}.bin", meta, shape, g_batch, device)
             with autocast(device, C.dtype):
-                total += model(x, y, loops=model.config.mean_loops, generator=g_noise)[1].item()
+                loss = model(x, y, loops=model.config.mean_loops, generator=g_noise)
+            total += loss.item()
         losses[split] = total / C.eval_iters
     return losses
 
 
-def main(argv=()):
-    """-> [(iter, loops, loss)] of every step, the skipped ones too."""
-    C, given = configure(globals(), argv)
-    # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
+def start_processes(C):
+    """torchrun's ranks, or one process -> (rank, world size, this rank's device)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if C.gradient_accumulation_steps % world:
         raise UserError(f"gradient_accumulation_steps must be a multiple of the {world} ranks")
-    micro_steps = C.gradient_accumulation_steps // world
     device = C.device
     if world > 1:
         dist.init_process_group(backend="nccl" if "cuda" in device else "gloo")
     if world > 1 and "cuda" in device:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    if rank > 0:  # rank 0 speaks for all
+    # rank 0 speaks for all
+    if rank > 0:
         sys.stdout = open(os.devnull, "w")
-    torch.manual_seed(C.seed + rank)  # the noise initial states: each rank draws its own
-    if "cuda" in device:  # float32 matmuls in TF32, as nanoGPT does (a setting of the whole process)
+    # float32 matmuls in TF32, as nanoGPT does (a setting of the whole process)
+    if "cuda" in device:
         torch.backends.cuda.matmul.allow_tf32 = True
-    # 2) a resumed run's model and dataset are its checkpoint's; a scratch run never replaces a checkpoint
-    # or a log unasked (a log without a checkpoint: a run that never saved, whose lines are still a user's)
+    return rank, world, device
+
+
+def open_checkpoint(C, given, ckpt_path, metrics_path):
+    """The checkpoint a run starts from -> (its model or None, its dict or None, what it fixes of
+    the run's settings). A resumed run keeps its model and dataset; a fine-tuned one (init_from a
+    ckpt.pt) its model. A scratch or fine-tuning run never replaces a checkpoint or a log unasked
+    (a log without a checkpoint is a run that never saved, whose lines are still a user's)."""
+    if C.init_from == "scratch":
+        model = source = None
+        fixed = {}
+    elif C.init_from == "resume":
+        # on the CPU: its RNG states stay there, main moves the model
+        model, source = load_checkpoint(ckpt_path)
+        fixed = source["model_args"] | {"dataset": source["config"]["dataset"]}
+        if C.max_iters <= source["iter_num"]:
+            raise UserError(f"{ckpt_path} is at step {source['iter_num']}: "
+                            f"--max_iters={C.max_iters} trains nothing")
+    else:
+        model, source = load_checkpoint(C.init_from)
+        fixed = source["model_args"]
+    for path in (ckpt_path, metrics_path):
+        if C.init_from != "resume" and os.path.exists(path) and not C.overwrite_checkpoint:
+            raise UserError(f"{path} exists: --init_from=resume to go on, "
+                            f"or --overwrite_checkpoint=True to replace it")
+    # asked for another model or dataset than the checkpoint's: refused, never ignored
+    for key in sorted(given & fixed.keys()):
+        asked = getattr(C, key)
+        if asked != fixed[key]:
+            raise UserError(f"--{key}={asked}, but {C.init_from} has {key}={fixed[key]}")
+    return model, source, fixed
+
+
+def restore(ckpt, optimizer):
+    """A resumed run's AdamW moments, with today's hyperparameters (weight decay, betas) as the
+    saved config will say: the saved param_groups are replaced by the new optimizer's."""
+    state = ckpt["optimizer"]
+    state["param_groups"] = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict(state)
+
+
+def step_generators(seed, step, rank, device):
+    """-> (the generator of one rank's batches at a step, the generator of its noise): drawn from
+    (seed, step, rank) alone, so that a resumed run draws what an uninterrupted one does and no
+    generator's state is saved."""
+    stream = (seed * 1_000_003 + step) * 1024 + rank
+    data = torch.Generator().manual_seed(2 * stream)
+    noise = torch.Generator(device).manual_seed(2 * stream + 1)
+    return data, noise
+
+
+def main(argv=()):
+    """-> [(iter, loops, loss)] of every step, the skipped ones too."""
+    C, given = configure(globals(), argv)
+    # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
+    rank, world, device = start_processes(C)
+    micro_steps = C.gradient_accumulation_steps // world
+    # 2) the checkpoint the run starts from, if any, and its dataset, checked before any work
     ckpt_path = f"{C.out_dir}/ckpt.pt"
     metrics_path = f"{C.out_dir}/metrics.jsonl"
-    ckpt = None
-    saved = {}
-    if C.init_from == "resume":
-        model, ckpt = load_checkpoint(ckpt_path)  # on the CPU: the RNG states stay there, the model moves below
-        saved = ckpt["model_args"] | {"dataset": ckpt["config"]["dataset"]}
-        if C.max_iters <= ckpt["iter_num"]:
-            raise UserError(f"{ckpt_path} is at step {ckpt['iter_num']}: --max_iters={C.max_iters} trains nothing")
-    for path in (ckpt_path, metrics_path):
-        if not ckpt and os.path.exists(path) and not C.overwrite_checkpoint:
-            raise UserError(f"{path} exists: --init_from=resume to go on, or --overwrite_checkpoint=True to replace it")
-    for key in sorted(given & saved.keys()):  # asked for another model or dataset: refused, never ignored
-        asked = getattr(C, key)
-        if asked != saved[key]:
-            raise UserError(f"--{key}={asked}, but {ckpt_path} has {key}={saved[key]}")
-    settings = vars(C) | saved  # what the run is, saved with each checkpoint
-    # 3) out_dir must take our files: found now (an OSError, one line), not at the first save
+    model, source, fixed = open_checkpoint(C, given, ckpt_path, metrics_path)
+    resuming = C.init_from == "resume"
+    # what the run is, saved with each checkpoint
+    settings = vars(C) | fixed
+    # out_dir must take our files: found now (an OSError, one line), not at the first save
     os.makedirs(C.out_dir, exist_ok=True)
-    data_dir, meta = prepare.open_dataset(settings["dataset"], ckpt, ckpt_path)
-    # 4) the model, its optimizer and the data stream, a resumed run's as its checkpoint left them
-    if not ckpt:
+    # A resumed run reads the very dataset it trained on; a fine-tuned model, another one with
+    # the tokenizer it was trained with.
+    same = None if resuming else ("vocab_size", "tokenizer_sha256")
+    source_path = ckpt_path if resuming else C.init_from
+    data_dir, meta = prepare.open_dataset(settings["dataset"], source, source_path, same=same)
+    # 3) the model and its optimizer
+    if model is None:
         shape = {key: getattr(C, key) for key in MODEL_KEYS}
+        # the initial weights are the seed's (rank 0's, which every rank takes below)
+        torch.manual_seed(C.seed)
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **shape))
     config = model.config
-    model.to(device).train()  # a resumed model comes from load_checkpoint in eval mode
-    if C.compile:  # each part on its own: a new depth never recompiles
+    # a loaded model comes in eval mode
+    model.to(device).train()
+    # each part compiled on its own: a new depth never recompiles
+    if C.compile:
         print("compiling prelude, core and coda")
         for part in (model.prelude_blocks, model.core, model.coda_blocks):
             part.compile()
-    optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2), device)
-    if world > 1:  # every rank starts from rank 0's weights (each drew its own)
+    optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2),
+                                           device)
+    # every rank starts from rank 0's weights (each drew its own)
+    if world > 1:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-        dist.barrier()  # every rank has passed the checks above: rank 0 may now create the log
-    # JSON lines, rank 0's (a resumed run appends)
-    metrics = open(metrics_path if rank == 0 else os.devnull, "a" if ckpt else "w", buffering=1)
-    g_data = torch.Generator().manual_seed(C.seed + 1000 + rank)  # each rank reads its own batches
+        # every rank has passed the checks above: rank 0 may now create the log
+        dist.barrier()
+    # 4) the log (JSON lines, rank 0's; a resumed run appends)
+    metrics = open(metrics_path if rank == 0 else os.devnull, "a" if resuming else "w", buffering=1)
     start = 0
-    run_id = os.urandom(8).hex()  # names the run in its checkpoints, and in what is computed from them
-    if ckpt:  # the checkpoint's AdamW moments and this rank's RNG streams
-        rng = ckpt["rng"]
-        saved_ranks = len(rng["data"])
-        if saved_ranks != world:
-            raise UserError(f"{ckpt_path} was saved by {saved_ranks} ranks, not {world}")
-        # today's hyperparameters (weight decay, betas), as the saved config will say
-        optimizer.load_state_dict(ckpt["optimizer"] | {"param_groups": optimizer.state_dict()["param_groups"]})
-        g_data.set_state(rng["data"][rank])
-        torch.set_rng_state(rng["torch"][rank])
-        if "cuda" in rng and "cuda" in device:
-            torch.cuda.set_rng_state(rng["cuda"][rank], device)
-        start = ckpt["iter_num"]
-        run_id = ckpt["config"].get("run_id", run_id)
+    # names the run in its checkpoints, and in what is computed from them
+    run_id = os.urandom(8).hex()
+    if resuming:
+        restore(source, optimizer)
+        start = source["iter_num"]
+        run_id = source["config"].get("run_id", run_id)
     settings |= {"dataset_meta": meta, "run_id": run_id}
     shape = (C.batch_size, config.block_size)
     # 5) train, evaluating every eval_interval steps and at the end
     history = []
     skipped = []
-    end = C.max_iters  # beyond start: a resumed run that would train nothing was refused
+    # beyond start: a resumed run that would train nothing was refused
+    end = C.max_iters
     for it in range(start, end + 1):
-        # evaluate; save if the val loss is finite (a non-finite weight would make it so: every weight feeds it)
+        # evaluate; save if the val loss is finite (every weight feeds it, so a non-finite
+        # weight makes it so)
         if it % C.eval_interval == 0 or it == end:
             losses = estimate_loss(model, data_dir, meta, shape, C, device)
             val = losses["val"]
             bits = prepare.bits_per_byte(val, meta)
-            print(f"step {it}: train loss {losses['train']:.4f}, val loss {val:.4f}, val {bits:.4f} bits/byte")
-            figures = {"iter": it, "train_loss": losses["train"], "val_loss": val, "val_bits_per_byte": bits}
+            print(f"step {it}: train loss {losses['train']:.4f}, val loss {val:.4f}, "
+                  f"val {bits:.4f} bits/byte")
+            figures = {"iter": it, "train_loss": losses["train"], "val_loss": val,
+                       "val_bits_per_byte": bits}
             print(json.dumps(figures), file=metrics)
+            # at the start there is nothing new to save (the checkpoint resumed, or no training)
             if not math.isfinite(val):
                 print(f"step {it}: non-finite val loss or weights, not saved")
-            elif it > start:  # (at the start: the checkpoint resumed from, or an untrained model)
-                # every rank's RNG streams, {stream: [its state on each rank]}, so that each rank resumes exactly
-                mine = {"data": g_data.get_state(), "torch": torch.get_rng_state()}
-                if "cuda" in device:
-                    mine["cuda"] = torch.cuda.get_rng_state(device)
-                ranks = [mine] * world
-                if world > 1:
-                    dist.all_gather_object(ranks, mine)
-                rngs = {stream: [states[stream] for states in ranks] for stream in mine}
-                if rank == 0:
-                    save_atomic(ckpt_path, {"format": CKPT_FORMAT, "model_args": vars(config), "config": settings,
-                                            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                                            "iter_num": it, "rng": rngs})
-                    print(f"saved checkpoint to {ckpt_path}")
+            elif it > start and rank == 0:
+                save_atomic(ckpt_path, {"format": CKPT_FORMAT, "model_args": vars(config),
+                                        "config": settings, "model": model.state_dict(),
+                                        "optimizer": optimizer.state_dict(), "iter_num": it})
+                print(f"saved checkpoint to {ckpt_path}")
         if it == end:
             break
-        # one optimizer step at the depth drawn for it, on this rank's micro-batches from its own data stream
+        # one optimizer step at the depth drawn for it, on this rank's micro-batches
         t0 = time.perf_counter()
         lr = get_lr(it, C)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        loops = sample_loops(it, C.seed, config.mean_loops, config.max_loops, C.loop_dist, C.loop_spread)
-        batches = [get_batch(f"{data_dir}/train.bin", meta, shape, g_data, device) for _ in range(micro_steps)]
-        loss, stepped = train_step(model, optimizer, batches, loops, C, world)
+        loops = sample_loops(config, it, C.seed)
+        g_data, g_noise = step_generators(C.seed, it, rank, device)
+        train_bin = f"{data_dir}/train.bin"
+        batches = [get_batch(train_bin, meta, shape, g_data, device) for _ in range(micro_steps)]
+        loss, stepped = train_step(model, optimizer, batches, loops, g_noise, C, world)
         history.append((it, loops, loss))
-        if not stepped:  # bf16 overflows now and then: skip such a step, but not too often
+        # bf16 overflows now and then: skip such a step, but not too often
+        if not stepped:
             skipped.append(it)
             print(f"iter {it}: non-finite loss or grad norm, optimizer step skipped")
             check_skips(skipped, it, C.guard_grace_iters)
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
-            # this rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the same
-            # count for config/study_dense.py's dense twin: the runs' ratio is studies/laptop.py's parity)
+            # This rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
+            # same count for config/study_dense.py's dense twin: the runs' ratio is the parity
+            # studies/laptop.py reports).
             tokens = micro_steps * math.prod(shape)
-            flops = model.flops_per_token(loops, min(loops, config.bptt_k), config.block_size) * tokens
-            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr, "flops_per_s": flops / dt}
-            print(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, {flops / dt:.3g} FLOP/s")
+            n_grad = min(loops, config.bptt_k)
+            flops = model.flops_per_token(loops, n_grad, config.block_size) * tokens
+            figures = {"iter": it, "loss": loss, "loops": loops, "lr": lr,
+                       "flops_per_s": flops / dt}
+            print(f"iter {it}: loss {loss:.4f}, loops {loops:2d}, {1000 * dt:.0f} ms, "
+                  f"{flops / dt:.3g} FLOP/s")
             print(json.dumps(figures), file=metrics)
     metrics.close()
-    if world > 1:  # together: a rank that left early aborted gloo
+    # together: a rank that left early aborted gloo
+    if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return history

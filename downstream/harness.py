@@ -2,8 +2,8 @@
 
 Each request (a context and the continuation it scores) is traced once from a zero state to the deepest of --loops
 (evaluate.trace: each token's loss and exit scores after every loop), and every policy is read off that trace, as
-allocate.py reads its windows: uniform depth r (A0) scores a continuation token by its loss after loop r, an exit
-test of model.EXIT_TESTS (A1, A1s) by its loss after the loop where the stop rule stops it (at the deepest of
+allocate.py reads its windows: uniform depth r scores a continuation token by its loss after loop r, an exit
+test of model.EXIT_TESTS (kl, state, ...) by its loss after the loop where the stop rule stops it (at the deepest of
 --loops at the latest). Each exit runs at the threshold whose mean loops over the task's own scored tokens is
 nearest each uniform depth from 2: the cost is matched on the task's tokens, never on its labels. Each uniform
 depth's difference from r=1 (does the score move with depth?) and each exit's from the uniform depth it is matched
@@ -229,14 +229,14 @@ def score_task(lm, name, task, depths, C):
     runs = {}  # (policy, r) -> (lm-eval's result, mean loops, the exit test or None, its threshold or None)
     for r in depths:  # the first run traces every request, the others read the traces
         result, mean_loops = run_policy(lm, name, task, (None, uniform_depth(r)), C)
-        runs["A0", r] = (result, mean_loops, None, None)
+        runs["uniform", r] = (result, mean_loops, None, None)
     exit_depths = [r for r in depths if r >= MIN_EXIT_LOOP]  # an exit test compares two loops
     if exit_depths:
         for (exit_name, r), threshold in matched_thresholds(lm, exit_depths, C.n_grid).items():
             test = EXIT_TESTS[exit_name]
             policy = (exit_name, DepthPolicy(test, threshold, lm.r_max))
             result, mean_loops = run_policy(lm, name, task, policy, C)
-            runs[test.policy, r] = (result, mean_loops, test, threshold)
+            runs[exit_name, r] = (result, mean_loops, test, threshold)
     cost = {"requests": len(lm.traced), "tokens": lm.tokens_traced, "seconds": lm.seconds_tracing,
             "tokens_per_s": lm.tokens_traced / lm.seconds_tracing}
     print(f"{name}: {cost['requests']} requests, {cost['tokens']} tokens traced to r={lm.r_max} in "
@@ -262,10 +262,10 @@ def task_rows(model, name, task, runs, C):
             if kept_by != "none":  # a metric read after a filter keeps the filter's name
                 row["metric"] = key
             if test is None and r > 1:  # does the score move with depth?
-                row["versus_r1"] = paired_difference(result, runs["A0", 1][0], task, name, key, C)
+                row["versus_r1"] = paired_difference(result, runs["uniform", 1][0], task, name, key, C)
             if test is not None:
                 row["threshold"] = threshold
-                row["versus_uniform"] = paired_difference(result, runs["A0", r][0], task, name, key, C)
+                row["versus_uniform"] = paired_difference(result, runs["uniform", r][0], task, name, key, C)
             rows.append(row)
     return rows
 
@@ -280,7 +280,7 @@ def print_rows(rows):
                       f"{row['flops_per_token'] / 1e6:.3g}", f"{row['value']:.4f}", stderr,
                       versus_r1, versus_uniform])
     headers = ["task", "metric", "policy", "r", "mean loops", "MFLOP/token", "value", "stderr",
-               "A0 - A0 at r=1 [95%]", "exit - A0 at r [95%]"]
+               "uniform - uniform at r=1 [95%]", "exit - uniform at r [95%]"]
     print(markdown(headers, cells))
 
 

@@ -3,10 +3,11 @@ wrote in its out_dir:
 
     loss_by_depth   the validation loss at each depth: eval.json's from noise (as in training),
                     allocate.json's uniform depth A0 from a zero state (as the exits start)
-    convergence     eval.json's convergence table by loop: the successive KL (and the state change),
-                    and the share of tokens still moving
-    allocation      allocate.json's policies A0, A1, A1s and A2: the loss against mean loops and
-                    against FLOPs per token, with the bar (uniform depth at mean_loops)
+    convergence     eval.json's rows from loop 2: the successive KL (and the state change), and the
+                    share of tokens still moving
+    allocation      allocate.json's policies (uniform depth, each exit test, A2 if studies.probe
+                    ran): the loss against mean loops and against FLOPs per token, with the bar
+                    (uniform depth at mean_loops)
     token_classes   token_classes.json's mean exit depth by class of the exiting token
 
 Each figure whose input is there is drawn, to figures_dir/<run>_<figure>.png (run: out_dir's name).
@@ -77,13 +78,14 @@ def draw_loss_by_depth(plt, evaluated, allocated):
     A0), either of them None if its file is missing; the training mean dashed."""
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     if evaluated is not None:
-        depths = [row["loops"] for row in evaluated["elasticity"]]
-        losses = [row["loss"] for row in evaluated["elasticity"]]
+        depths = [row["loops"] for row in evaluated["rows"]]
+        losses = [row["loss"] for row in evaluated["rows"]]
         ax.plot(depths, losses, marker="o", label="from noise, as in training (eval.json)")
         mean = evaluated["mean_loops"]
     if allocated is not None:
-        depths = allocated["settings"]["A0"]
-        losses = np.mean(allocated["per_window"]["A0 loss"], axis=1)  # (depths, windows) -> (depths,)
+        depths = allocated["settings"]["uniform"]
+        # (depths, windows) -> (depths,)
+        losses = np.mean(allocated["per_window"]["uniform"]["loss"], axis=1)
         ax.plot(depths, losses, marker=".", label="from a zero state, as the exits start (allocate.json)")
         mean = allocated["mean_loops"]
     ax.axvline(mean, color="gray", linestyle="--", label=f"training mean ({mean})")
@@ -99,8 +101,9 @@ def draw_loss_by_depth(plt, evaluated, allocated):
 def draw_convergence(plt, evaluated):
     """Left: the mean successive KL, and the mean state change on an axis of its own, log scale.
     Right: the share of tokens still moving (KL > MOVING_KL). The training mean dashed on both."""
-    rows = evaluated["convergence"]["rows"]
-    loops = [row["loop"] for row in rows]
+    # from loop 2: loop 1 has nothing to compare with
+    rows = [row for row in evaluated["rows"] if row["loops"] >= 2]
+    loops = [row["loops"] for row in rows]
     mean = evaluated["mean_loops"]
     fig, (ax_kl, ax_moving) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
     kl = [row["mean_kl"] for row in rows]
@@ -122,7 +125,7 @@ def draw_convergence(plt, evaluated):
     ax_moving.plot(loops, [row["percent_moving"] for row in rows], marker="o")
     ax_moving.set_ylim(0, 100)
     ax_moving.set_ylabel(f"% of tokens still moving (KL > {MOVING_KL:g})")
-    median = evaluated["convergence"]["median_depth"]
+    median = evaluated["median_convergence_depth"]
     ax_moving.set_title(f"Still moving (the median token settles after loop {median:g})")
     for ax in (ax_kl, ax_moving):
         ax.axvline(mean, color="gray", linestyle="--")
@@ -133,34 +136,36 @@ def draw_convergence(plt, evaluated):
 
 def policy_curve(allocated, policy, cost):
     """A policy's points, sorted by cost -> (costs, losses): each point's means over the windows."""
-    costs = np.mean(allocated["per_window"][f"{policy} {cost}"], axis=1)  # (points, windows) -> (points,)
-    losses = np.mean(allocated["per_window"][f"{policy} loss"], axis=1)
+    # (points, windows) -> (points,)
+    costs = np.mean(allocated["per_window"][policy][cost], axis=1)
+    losses = np.mean(allocated["per_window"][policy]["loss"], axis=1)
     order = np.argsort(costs)
     return costs[order], losses[order]
 
 
 def draw_allocation(plt, allocated):
     """Every policy's loss against its mean loops (left) and its FLOPs per token (right); the bar dotted."""
-    policies = list(dict.fromkeys(key.split()[0] for key in allocated["per_window"]))  # A0, then the exits
-    exits = allocated["exits"]  # {policy: its exit test's name}
+    # uniform depth, then each exit; the paper's labels (A0, A1, ...) beside their names
+    labels = allocated["labels"]
     mean = allocated["mean_loops"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True, layout="constrained")
     lowest = allocated["bar"]
     for ax, cost, scale, unit in ((axes[0], "loops", 1, "mean loops per token"),
                                   (axes[1], "flops", 1e6, "forward MFLOP per token")):
-        for policy in policies:
+        for policy in allocated["per_window"]:
             costs, losses = policy_curve(allocated, policy, cost)
             lowest = min(lowest, losses.min())
-            if policy == "A0":
-                ax.plot(costs / scale, losses, marker="o", label="A0 uniform depth")
+            if policy == "uniform":
+                ax.plot(costs / scale, losses, marker="o", label="uniform depth (A0)")
             else:
-                ax.plot(costs / scale, losses, marker=".", label=f"{policy} exit ({exits[policy]})")
+                label = f"{policy} exit ({labels[policy]})" if labels.get(policy) else f"{policy} exit"
+                ax.plot(costs / scale, losses, marker=".", label=label)
         ax.axhline(allocated["bar"], color="black", linestyle=":", label=f"the bar: uniform r={mean}")
         log2_axis(ax)
         ax.set_xlabel(unit)
         ax.grid(alpha=0.3)
     # r=1's loss sits far above the rest: the axis tops at r=2's, so that the gaps near the bar show
-    top = np.mean(allocated["per_window"]["A0 loss"][1])
+    top = np.mean(allocated["per_window"]["uniform"]["loss"][1])
     margin = 0.05 * (top - lowest)
     axes[0].set_ylim(lowest - margin, top + margin)
     axes[0].set_ylabel("validation loss (nats per token, zero state)")

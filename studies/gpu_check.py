@@ -15,8 +15,8 @@ import sys
 import torch
 from torch._inductor import cudagraph_trees
 
-import sample
 import train
+from engine.cli import main as engine_main
 from configurator import UserError
 
 BATCHES = (1, 32)
@@ -54,25 +54,30 @@ def cuda_graphs_recorded():
 
 
 def decoding(out_dir, new_tokens, sample_flags):
-    """sample.py's report for each batch and depth, greedy: its tokens/s line, what torch.compile did, and the
-    CUDA graphs the row recorded (a row's caches are new buffers: its three graphs are recorded anew)."""
+    """python -m engine's report for each batch and depth, greedy: its tokens/s, loops, what
+    torch.compile did, and the CUDA graphs the row recorded (a row's caches are new buffers: its
+    three graphs are recorded anew)."""
     print("(in one process: a row's recompilations are its new batch size or exit test, compiled once)")
     for batch in BATCHES:
         for depth in DEPTHS:
             argv = [f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
                     f"--max_new_tokens={new_tokens}", *depth, *sample_flags]
-            report = io.StringIO()
             recorded_before = cuda_graphs_recorded()
             try:
-                with contextlib.redirect_stderr(report), contextlib.redirect_stdout(io.StringIO()):
-                    sample.main(argv)
+                # the samples' text and the engine's own lines are not this table's
+                with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                    report = engine_main(argv)
             except (UserError, RuntimeError, OSError) as err:  # one row failed: say so, and go on
                 print(f"batch {batch:2d}  {' '.join(depth):14s} failed: {type(err).__name__}: {err}")
                 continue
-            wanted = ("tokens/s", "compiled:", " at threshold ")  # an exit says which threshold it ran, and whose
-            lines = [line for line in report.getvalue().splitlines() if any(word in line for word in wanted)]
-            lines.append(f"{cuda_graphs_recorded() - recorded_before} CUDA graphs recorded")
-            print(f"batch {batch:2d}  {' '.join(depth):14s} " + " | ".join(lines))
+            recorded = cuda_graphs_recorded() - recorded_before
+            line = (f"{report['tokens_per_s']:.1f} tokens/s, {report['mean_loops']:.2f} loops "
+                    f"(deepest {report['deepest_loops']:.2f}), {report['dtype']}")
+            if report["compiled"]:
+                line += (f" | compiled: {report['graphs']} graphs, {report['graph_breaks']} breaks, "
+                         f"{report['recompilations']} recompilations, {report['cudagraph_skips']} "
+                         f"CUDA-graph skips")
+            print(f"batch {batch:2d}  {' '.join(depth):14s} {line} | {recorded} CUDA graphs recorded")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@ allocated:
 
     parity      the study model's training FLOP/s over its dense twin's (config/study_dense.py):
                 the medians of what train.py logged for their steps (metrics.jsonl)
-    generation  sample.py's tokens/s in greedy generation from a zero state, at fixed depths and
-                at the state exit
+    generation  the tokens/s of sample.py's greedy generation (python -m engine: the same tokens,
+                timed), at fixed depths and at the state exit
     bracket     the paper's three-point bracket for A1, the KL exit, at batch 1 and 8: A1's loops
                 at the bar against uniform mean_loops (the FLOP proxy, from allocate.json); uniform
                 round(A1's loops) against uniform mean_loops (the best case, which a perfect packing
@@ -15,20 +15,20 @@ allocated:
 """
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
+import tempfile
 
+from allocate import read_allocation
 from configurator import UserError, configure, run
 from evaluate import markdown
 from model import load_checkpoint, save_atomic
-from studies.allocation import read_allocation
 
-out_dir = "out-shakespeare"  # its ckpt.pt is timed; its allocate.json gives A1's point at the bar
+out_dir = "out-shakespeare"  # its ckpt.pt is timed; its allocate.json gives the kl exit's point
 recurrent_dir = "out-study"  # parity: this run's training FLOP/s ...
 dense_dir = "out-study_dense"  # ... over this one's, its dense twin
-max_new_tokens = 128  # new tokens per generation (sample.py times all but the first two)
+max_new_tokens = 128  # new tokens per generation (the engine times all but the first three)
 GENERATIONS = [  # (batch, sample.py's arguments), timed besides the bracket's
     (8, ("--loops=2",)),
     (8, ("--loops=4",)),
@@ -39,9 +39,7 @@ GENERATIONS = [  # (batch, sample.py's arguments), timed besides the bracket's
     (8, ("--exit=state", "--exit_threshold=0.1")),
 ]
 BRACKET_BATCHES = (1, 8)
-SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sample.py")
-# sample.py's report on stderr begins with its speed: the one part of its output read here
-TOKENS_PER_S = re.compile(r"^([0-9.]+) tokens/s \(", re.MULTILINE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def median_flop_rate(run_dir):
@@ -61,25 +59,23 @@ def median_flop_rate(run_dir):
     return statistics.median(rates)
 
 
-def tokens_per_second(report):
-    """sample.py's stderr -> the tokens/s its report line begins with."""
-    found = TOKENS_PER_S.search(report)
-    if found is None:
-        raise UserError("sample.py's report holds no tokens/s")
-    return float(found.group(1))
-
-
 def generation_rate(out_dir, batch, args, max_new_tokens):
-    """sample.py's tokens/s in greedy generation of `batch` sequences with args (a tuple of its
-    --key=value arguments); the text it writes is dropped."""
+    """The tokens/s of greedy generation of `batch` sequences with sample.py's args (a tuple of
+    --key=value arguments), as python -m engine measures it in its JSON report."""
     # a process of its own, as a user runs it: nothing this process has loaded or compiled helps it
-    command = [sys.executable, SAMPLE, f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
-               f"--max_new_tokens={max_new_tokens}", *args]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last_lines = done.stderr.strip().splitlines()[-1:] or ["no message"]
-        raise UserError(f"sample.py {' '.join(args)} failed: {last_lines[0]}")
-    return tokens_per_second(done.stderr)
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "report.json")
+        command = [sys.executable, "-m", "engine", f"--out_dir={out_dir}", f"--num_samples={batch}",
+                   "--temperature=0", f"--max_new_tokens={max_new_tokens}", *args, f"--report={report}"]
+        # out_dir is the caller's path; the engine is this repository's
+        paths = [ROOT, os.environ.get("PYTHONPATH", "")]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            last_lines = done.stderr.strip().splitlines()[-1:] or ["no message"]
+            raise UserError(f"python -m engine {' '.join(args)} failed: {last_lines[0]}")
+        with open(report) as f:
+            return json.load(f)["tokens_per_s"]
 
 
 def bracket_settings(mean, a1_loops, threshold):
@@ -109,7 +105,8 @@ def main(argv=()):
     _, ckpt = load_checkpoint(os.path.join(C.out_dir, "ckpt.pt"))
     allocated = read_allocation(C.out_dir, ckpt)
     mean = allocated["mean_loops"]
-    a1_loops = allocated["at_bar"]["A1"]["loops"]["value"]  # None: A1 never reaches the bar
+    # None: the kl exit never reaches the bar
+    a1_loops = allocated["at_bar"]["kl"]["loops"]["value"]
     threshold = allocated["operating_thresholds"]["kl"]
     timed = list(GENERATIONS)
     if a1_loops is not None:

@@ -51,9 +51,9 @@ def main(argv=()):
         raise UserError(f"no {path}: run `python evaluate.py --out_dir={C.out_dir}` first")
     with open(path) as f:
         evaluated = json.load(f)
-    rows = evaluated["elasticity"]
-    if "window_losses" not in rows[0]:
-        raise UserError(f"{path} holds no loss per window: run evaluate.py again")
+    if "rows" not in evaluated:
+        raise UserError(f"{path} is from an older evaluate.py: run it again")
+    rows = evaluated["rows"]
     swept = [row["loops"] for row in rows]
     mean = evaluated["mean_loops"]
     result = saturation([row["window_losses"] for row in rows], swept, mean)

@@ -16,9 +16,8 @@ import sys
 
 from configurator import UserError, configure, run
 from evaluate import markdown, show
-from model import GPT, GPTConfig, checkpoint_id, load_checkpoint
+from model import checkpoint_id, load_checkpoint, sample_loops
 from studies.figures import log2_axis, pyplot
-from train import sample_loops
 
 runs = "out-shakespeare"  # the runs' out_dirs, comma-separated (each: ckpt.pt, eval.json, saturation.json)
 figure = "figures/saturation.png"  # the runs' validation loss against loops
@@ -26,27 +25,26 @@ HEADERS = ["run", "mean", "spread", "seed", "steps", "train PFLOP", "saturation 
            "useful range, nats [95%]", "loss at it", "best loss", "median convergence", "% moving at mean"]
 
 
-def training_flops(ckpt):
+def training_flops(model, ckpt):
     """A checkpoint's training FLOPs: over the steps it took, each step's FLOPs per token at the depth
-    train.sample_loops drew for it, times the tokens a step reads."""
+    model.sample_loops drew for it, times the tokens a step reads."""
     # The same draws as train.py's, from (seed, step) alone: the FLOPs a distribution spent, not its
     # mean's, which a long tail (spread 1.0) would understate.
     settings = ckpt["config"]
-    model = GPT(GPTConfig(**ckpt["model_args"]))  # for its FLOP ledger
-    tokens_per_step = settings["batch_size"] * settings["block_size"] * settings["gradient_accumulation_steps"]
+    config = model.config
+    tokens_per_step = settings["batch_size"] * config.block_size * settings["gradient_accumulation_steps"]
     flops = 0
     for step in range(ckpt["iter_num"]):
-        loops = sample_loops(step, settings["seed"], settings["mean_loops"], settings["max_loops"],
-                             settings["loop_dist"], settings["loop_spread"])
-        n_grad = min(loops, settings["bptt_k"])
-        flops += model.flops_per_token(loops, n_grad, settings["block_size"]) * tokens_per_step
+        loops = sample_loops(config, step, settings["seed"])
+        n_grad = min(loops, config.bptt_k)
+        flops += model.flops_per_token(loops, n_grad, config.block_size) * tokens_per_step
     return flops
 
 
 def read_run(out_dir):
-    """-> (the checkpoint dict, eval.json, saturation.json) of one run; UserError if one is missing
-    or if they are not of one checkpoint."""
-    _, ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
+    """-> (the model, the checkpoint dict, eval.json, saturation.json) of one run; UserError if one
+    is missing or if they are not of one checkpoint."""
+    model, ckpt = load_checkpoint(os.path.join(out_dir, "ckpt.pt"))
     found = {}
     for name, writer in (("eval.json", "python evaluate.py"), ("saturation.json", "python -m studies.saturation")):
         path = os.path.join(out_dir, name)
@@ -56,20 +54,23 @@ def read_run(out_dir):
             found[name] = json.load(f)
         if found[name]["checkpoint"] != checkpoint_id(ckpt):
             raise UserError(f"{path} is of {found[name]['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
-    return ckpt, found["eval.json"], found["saturation.json"]
+    return model, ckpt, found["eval.json"], found["saturation.json"]
 
 
-def table_row(out_dir, ckpt, evaluated, saturated):
+def table_row(out_dir, model, ckpt, evaluated, saturated):
     """One run's cells, as HEADERS name them."""
     settings = ckpt["config"]
-    loss_at = {row["loops"]: row["loss"] for row in evaluated["elasticity"]}
+    loss_at = {row["loops"]: row["loss"] for row in evaluated["rows"]}
     depth = saturated["depth"]["value"]  # a swept depth, read from this eval.json
-    converged = evaluated["convergence"]
-    moving_at_mean = converged.get("percent_moving_at_mean", math.nan)  # none at mean 1: loop 1 has no KL
-    return [out_dir, settings["mean_loops"], settings["loop_spread"], settings["seed"], ckpt["iter_num"],
-            f"{training_flops(ckpt) / 1e15:.3f}", show(saturated["depth"], "g"),
+    mean = model.config.mean_loops
+    # none at mean 1: loop 1 has no KL, nothing to call moving
+    moving = {row["loops"]: row.get("percent_moving", math.nan) for row in evaluated["rows"]}
+    moving_at_mean = moving.get(mean, math.nan)
+    return [out_dir, model.config.mean_loops, model.config.loop_spread, settings["seed"], ckpt["iter_num"],
+            f"{training_flops(model, ckpt) / 1e15:.3f}", show(saturated["depth"], "g"),
             show(saturated["useful_range"], ".4f"), f"{loss_at[int(depth)]:.4f}",
-            f"{min(loss_at.values()):.4f}", f"{converged['median_depth']:g}", f"{moving_at_mean:.1f}"]
+            f"{min(loss_at.values()):.4f}", f"{evaluated['median_convergence_depth']:g}",
+            f"{moving_at_mean:.1f}"]
 
 
 def draw_curves(plt, curves):
@@ -90,10 +91,10 @@ def main(argv=()):
     rows = []
     curves = {}
     for out_dir in C.runs.split(","):
-        ckpt, evaluated, saturated = read_run(out_dir)
-        rows.append(table_row(out_dir, ckpt, evaluated, saturated))
-        depths = [row["loops"] for row in evaluated["elasticity"]]
-        curves[out_dir] = (depths, [row["loss"] for row in evaluated["elasticity"]])
+        model, ckpt, evaluated, saturated = read_run(out_dir)
+        rows.append(table_row(out_dir, model, ckpt, evaluated, saturated))
+        depths = [row["loops"] for row in evaluated["rows"]]
+        curves[out_dir] = (depths, [row["loss"] for row in evaluated["rows"]])
     print(markdown(HEADERS, rows))
     # the table is the study's result, and needs nothing beyond the core; the figure needs matplotlib
     try:

@@ -9,15 +9,16 @@ as allocate.py reads it), counted for the token at its position: the one that ex
 """
 import os
 import unicodedata
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from allocate import allocation_windows, read_allocation
 from configurator import configure, run
-from evaluate import load_windows, table, trace_windows
+from evaluate import table, trace_windows
 from model import DEVICES, EXIT_TESTS, DepthPolicy, autocast, checkpoint_id, exit_depth, save_atomic
 from prepare import load_tokenizer, open_run
-from studies.allocation import read_allocation
 
 out_dir = "out-shakespeare"  # reads ckpt.pt and allocate.json, writes token_classes.json
 batch_size = 8  # windows per forward
@@ -60,13 +61,12 @@ def token_classes(traced, threshold, inputs, decode):
 
 def main(argv=()):
     C, _ = configure(globals(), argv)
-    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device, splits=("val",))
+    model, ckpt, data_dir, meta = open_run(C.out_dir, C.device)
     allocated = read_allocation(C.out_dir, ckpt)
     _, decode = load_tokenizer(data_dir)
     # allocate.py's windows (its count and seed) and depth
-    args = allocated["args"]
     length = model.config.block_size + 1
-    windows = load_windows(f"{data_dir}/val.bin", meta["dtype"], args["windows"], length, args["seed"])
+    windows, _ = allocation_windows(data_dir, meta, length, SimpleNamespace(**allocated["args"]))
     with autocast(C.device, C.dtype):
         traced = trace_windows(model, windows.to(C.device), allocated["r_max"], C.batch_size, ("kl",))
     result = token_classes(traced, allocated["operating_thresholds"]["kl"], windows[:, :-1], decode)

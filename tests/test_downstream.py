@@ -175,7 +175,7 @@ def test_main_writes_a_row_per_policy_with_its_loops_flops_and_paired_difference
     assert json.loads((indir / "out" / "tasks.json").read_text()) == res
     rows = res["rows"]
     keys = {"task", "metric", "policy", "loops", "mean_loops", "flops_per_token", "value", "stderr"}
-    uniform = {row["loops"]: row for row in rows if row["policy"] == "A0"}
+    uniform = {row["loops"]: row for row in rows if row["policy"] == "uniform"}
     assert sorted(uniform) == [1, 2, 4] and res["r_max"] == 4
     assert res["traced"]["tiny_mc"]["requests"] == 8  # each item's two choices, once though asked thrice
     assert set(uniform[1]) == keys
@@ -188,8 +188,8 @@ def test_main_writes_a_row_per_policy_with_its_loops_flops_and_paired_difference
             assert versus["value"] == pytest.approx(row["value"] - uniform[1]["value"])
             low, high = versus["interval"]
             assert low <= versus["value"] <= high
-    exits = [row for row in rows if row["policy"] != "A0"]
-    tests = {test.policy: test for test in EXIT_TESTS.values()}  # every registered exit test, matched to r=2 and 4
+    exits = [row for row in rows if row["policy"] != "uniform"]
+    tests = EXIT_TESTS  # every registered exit test, matched to r=2 and 4
     assert sorted((row["policy"], row["loops"]) for row in exits) == sorted((name, r) for name in tests for r in (2, 4))
     for row in exits:
         assert set(row) == keys | {"threshold", "versus_uniform"}
@@ -270,16 +270,16 @@ def test_lm_evals_own_sciq_and_lambada_openai_on_local_rows_score_as_by_hand(har
         scores = [logprob for logprob, _ in by_hand.loglikelihood(requests(*[(context, " " + c) for c in choices]))]
         correct.append(np.argmax(scores) == 3)
     assert set(task_lms[1].traced) == set(asked)  # lm-eval's requests for sciq are the ones written out here
-    assert value["sciq", "acc", "A0", 2] == pytest.approx(np.mean(correct))
+    assert value["sciq", "acc", "uniform", 2] == pytest.approx(np.mean(correct))
     log_likelihoods = []
     for row in LAMBADA:  # lambada's: the text without its last word, then that word
         context, _, last_word = row["text"].rpartition(" ")
         log_likelihoods.append(by_hand.loglikelihood(requests((context, " " + last_word)))[0][0])
-    assert value["lambada_openai", "perplexity", "A0", 2] == pytest.approx(math.exp(-np.mean(log_likelihoods)))
+    assert value["lambada_openai", "perplexity", "uniform", 2] == pytest.approx(math.exp(-np.mean(log_likelihoods)))
     moved = []
     for row in res["rows"]:
-        if row["policy"] != "A0":
-            uniform = value[row["task"], row["metric"], "A0", row["loops"]]
+        if row["policy"] != "uniform":
+            uniform = value[row["task"], row["metric"], "uniform", row["loops"]]
             assert row["versus_uniform"]["value"] == pytest.approx(row["value"] - uniform)
             moved.append(row["metric"] == "perplexity" and abs(row["value"] - uniform) > 1e-3)
     assert any(moved)  # a perplexity that an exit changed: a mean of log-likelihoods would differ from it

@@ -1,5 +1,5 @@
 """Tests for evaluate.py on a tiny model trained here on a tiny BPE dataset (tmp dirs only).
-References: a loop written out by hand with a float64 KL (trace), model.forward at r loops (the sweep),
+References: a loop written out by hand with a float64 KL (trace), model.forward at r loops (the rows),
 a hand-run bootstrap (intervals), hand-built KL tables."""
 import dataclasses
 import hashlib
@@ -67,7 +67,7 @@ def train_tiny(data_dir, out_dir, steps=40):
     for step in range(steps):
         starts = torch.randint(len(ids) - 33, (8,))
         batch = torch.stack([ids[i:i + 33] for i in starts])
-        _, loss = model(batch[:, :-1], batch[:, 1:], loops=1 + step % 8)
+        loss = model(batch[:, :-1], batch[:, 1:], loops=1 + step % 8)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -143,15 +143,17 @@ def test_convergence_on_hand_built_kl():
                        [1e-2, 1e-5, 1e-4, 1e-1],
                        [1e-5, 0.0, 1e-5, 1e-1]])
     # last loop with KL > 1e-3: 4, none (-> 1), 3, 5 = the last loop (-> unconverged, 6)
-    assert evaluate.convergence_depth(kl).tolist() == [4, 1, 3, 6]
-    cv = evaluate.convergence(kl, torch.ones(4, 4), torch.zeros(4, 4), mean=2)
-    assert [row["percent_moving"] for row in cv["rows"]] == [75.0, 50.0, 50.0, 25.0]
-    assert cv["median_depth"] == 3.5 and cv["percent_moving_at_mean"] == 75.0  # at loop 2
+    assert evaluate.convergence_depth(kl, first_loop=2).tolist() == [4, 1, 3, 6]
+    traced = {"loss": torch.zeros(5, 1, 4), "kl": torch.cat([torch.full((1, 4), math.inf), kl])[:, None],
+              "dstate": torch.ones(5, 1, 4)}
+    rows = evaluate.by_loop(traced, [1, 2, 3, 4, 5], {"val_tokens": 1, "val_bytes": 1})
+    assert "percent_moving" not in rows[0]  # loop 1 has nothing to compare with
+    assert [row["percent_moving"] for row in rows[1:]] == [75.0, 50.0, 50.0, 25.0]
 
 
 def test_default_loop_counts_and_bad_loops():
-    assert evaluate.loop_counts("", 4) == [1, 2, 4, 8, 16]
-    assert evaluate.loop_counts("", 8) == [1, 2, 4, 8, 16, 32]
+    assert evaluate.loop_counts("", 4) == [1, 2, 3, 4, 5, 6, 7, 8, 16]
+    assert evaluate.loop_counts("", 8) == [*range(1, 17), 32]
     assert evaluate.loop_counts("8,2,2", 4) == [1, 2, 4, 8]  # r=1 and mean_loops always
     for bad in ("0,2", "-1", "two", "²", "1,²", "2000"):  # "²".isdigit(), not a number int() reads
         with pytest.raises(UserError) as err:
@@ -248,25 +250,22 @@ def test_trace_states_stay_float32_under_bf16_autocast(indir):
 def test_eval_json_schema_and_ranges(indir, result):
     res, saved = result
     assert saved == json.loads(json.dumps(res))
-    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "elasticity", "convergence", "seconds"}
+    assert set(saved) == {"args", "checkpoint", "dataset", "mean_loops", "rows", "median_convergence_depth",
+                          "seconds"}
     assert saved["args"]["windows"] == 6 and saved["args"]["dtype"] == "float32"
     assert saved["checkpoint"] == "test@40" and saved["dataset"] == "tiny" and saved["mean_loops"] == 4
-    assert [r["loops"] for r in saved["elasticity"]] == [1, 2, 4, 8, 16]
+    assert [r["loops"] for r in saved["rows"]] == [1, 2, 3, 4, 5, 6, 7, 8, 16]  # every loop to 2 x mean, 4 x mean
     meta = json.loads(Path("data/tiny/meta.json").read_text())
-    for row in saved["elasticity"]:
-        assert set(row) == {"loops", "loss", "bits_per_byte", "window_losses"}
+    for row in saved["rows"]:
+        converging = {"mean_kl", "mean_state_change", "percent_moving"} if row["loops"] > 1 else set()
+        assert set(row) == {"loops", "loss", "bits_per_byte", "window_losses"} | converging
         assert 0 < row["loss"] < np.log(300) + 1 and len(row["window_losses"]) == 6
         assert row["loss"] == pytest.approx(np.mean(row["window_losses"]))  # windows of equal length
         # per byte: the loss per token times the val split's tokens per UTF-8 byte, in bits
         assert row["bits_per_byte"] == pytest.approx(row["loss"] * meta["val_tokens"] / meta["val_bytes"] / np.log(2))
-
-    cv, n_loops = saved["convergence"], 8  # 2 x mean_loops (4)
-    assert [r["loop"] for r in cv["rows"]] == list(range(2, n_loops + 1))
-    for row in cv["rows"]:
-        assert set(row) == {"loop", "mean_kl", "mean_state_change", "percent_moving", "loss"}
-        assert row["mean_kl"] >= 0 and row["mean_state_change"] >= 0 and 0 <= row["percent_moving"] <= 100
-    assert 1 <= cv["median_depth"] <= n_loops + 1
-    assert cv["percent_moving_at_mean"] == cv["rows"][4 - 2]["percent_moving"]
+        if converging:
+            assert row["mean_kl"] >= 0 and row["mean_state_change"] >= 0 and 0 <= row["percent_moving"] <= 100
+    assert 1 <= saved["median_convergence_depth"] <= 8 + 1
 
 
 
@@ -276,12 +275,12 @@ def test_the_sweep_is_model_forward_at_each_loop_count(indir, result):
     device = result[0]["args"]["device"]  # the noise is drawn on it
     model, _ = load_checkpoint("out-tiny/ckpt.pt", device)
     wins = evaluate.load_windows("data/tiny/val.bin", "uint16", 6, 33, 1337).to(device)
-    for row in result[0]["elasticity"]:
+    for row in result[0]["rows"]:
         generator = torch.Generator(device).manual_seed(1337)
         total = 0.0
         with torch.no_grad():
             for batch in wins.split(4):
-                _, loss = model(batch[:, :-1], batch[:, 1:], loops=row["loops"], generator=generator)
+                loss = model(batch[:, :-1], batch[:, 1:], loops=row["loops"], generator=generator)
                 total += loss.item() * len(batch)
         assert row["loss"] == pytest.approx(total / len(wins), rel=1e-5)
 
@@ -290,8 +289,8 @@ def test_same_seed_same_numbers(indir, result):
     again = without_timings(evaluate.main(FAST))
     assert again == without_timings(result[0])
     other = without_timings(evaluate.main(FAST + ["--loops", "1,3", "--seed=7"]))
-    assert [r["loops"] for r in other["elasticity"]] == [1, 3, 4]
-    assert other["elasticity"][0]["loss"] != again["elasticity"][0]["loss"]  # other windows, other noise
+    assert [r["loops"] for r in other["rows"]] == [1, 3, 4]
+    assert other["rows"][0]["loss"] != again["rows"][0]["loss"]  # other windows, other noise
 
 
 def test_float32_by_default_and_bfloat16_when_asked(indir, result):
@@ -299,12 +298,11 @@ def test_float32_by_default_and_bfloat16_when_asked(indir, result):
     half = evaluate.main(FAST + ["--dtype=bfloat16"])
     assert half["args"]["dtype"] == "bfloat16"
     full = result[0]
-    for a, b in zip(full["elasticity"], half["elasticity"]):
+    for a, b in zip(full["rows"], half["rows"]):
         assert math.isfinite(b["loss"]) and b["loss"] == pytest.approx(a["loss"], rel=0.02)
-    for a, b in zip(full["convergence"]["rows"], half["convergence"]["rows"]):
+    for b in half["rows"][1:]:
         assert math.isfinite(b["mean_kl"]) and b["mean_kl"] >= 0 and b["mean_state_change"] > 0
-        assert b["loss"] == pytest.approx(a["loss"], rel=0.02)
-    assert half["convergence"]["rows"] != full["convergence"]["rows"]  # the matmuls did run in bf16
+    assert half["rows"] != full["rows"]  # the matmuls did run in bf16
 
 
 @pytest.mark.parametrize("args", [
@@ -418,7 +416,7 @@ def test_on_cuda_evaluate_gives_the_cpus_losses(indir, result, tmp_path, monkeyp
     on_the_gpu = evaluate.main(FAST + [f"--out_dir={out}"])
     assert (on_the_gpu["args"]["device"], on_the_gpu["args"]["dtype"]) == ("cuda", "float32")
     on_the_cpu = result[0]
-    assert [row["loops"] for row in on_the_gpu["elasticity"]] == [row["loops"] for row in on_the_cpu["elasticity"]]
-    for cpu_row, gpu_row in zip(on_the_cpu["elasticity"], on_the_gpu["elasticity"]):
+    assert [row["loops"] for row in on_the_gpu["rows"]] == [row["loops"] for row in on_the_cpu["rows"]]
+    for cpu_row, gpu_row in zip(on_the_cpu["rows"], on_the_gpu["rows"]):
         assert gpu_row["loss"] == pytest.approx(cpu_row["loss"], rel=0.02)
     assert json.loads((out / "eval.json").read_text())["args"]["device"] == "cuda"

@@ -15,36 +15,33 @@ R_MAX = 8  # allocate.json's deepest loop
 
 def hand_made_eval():
     """eval.json of a run whose loss falls to its training mean and stays; its KL decays tenfold a loop."""
-    swept = [1, 2, 3, 4, 8, 16]
-    elasticity = []
-    for r in swept:
-        loss = 3.0 + 1.0 / min(r, MEAN)
-        elasticity.append({"loops": r, "loss": loss, "bits_per_byte": loss / 2, "window_losses": [loss] * 3})
     rows = []
-    for loop in range(2, 2 * MEAN + 1):
-        rows.append({"loop": loop, "mean_kl": 0.3 * 10.0 ** (2 - loop), "mean_state_change": 2.0 ** -loop,
-                     "percent_moving": 100.0 * 0.5 ** (loop - 2), "loss": 3.0 + 1.0 / min(loop, MEAN)})
-    convergence = {"rows": rows, "median_depth": 3.0, "percent_moving_at_mean": 25.0}
-    return {"checkpoint": "hand@10", "mean_loops": MEAN, "elasticity": elasticity, "convergence": convergence}
+    for r in [*range(1, 2 * MEAN + 1), 16]:
+        loss = 3.0 + 1.0 / min(r, MEAN)
+        row = {"loops": r, "loss": loss, "bits_per_byte": loss / 2, "window_losses": [loss] * 3}
+        if r >= 2:
+            row |= {"mean_kl": 0.3 * 10.0 ** (2 - r), "mean_state_change": 2.0 ** -r,
+                    "percent_moving": 100.0 * 0.5 ** (r - 2)}
+        rows.append(row)
+    return {"checkpoint": "hand@10", "mean_loops": MEAN, "rows": rows, "median_convergence_depth": 3.0}
 
 
 def hand_made_allocate():
-    """allocate.json's parts that the figures read: every policy's points over 3 windows, the bar, the exits."""
+    """allocate.json's parts that the figures read: every policy's points over 3 windows, the bar, the labels."""
     depths = np.arange(1.0, R_MAX + 1)
     offsets = np.array([-0.01, 0.0, 0.01])  # each window's difficulty
     uniform_loss = 3.0 + 1.0 / np.minimum(depths, MEAN)
-    per_window = {"A0 loss": uniform_loss[:, None] + offsets,
-                  "A0 loops": np.repeat(depths[:, None], 3, 1),
-                  "A0 flops": np.repeat(1e6 * (1 + depths[:, None]), 3, 1)}
-    exits = {"A1": "kl", "A1s": "state", "A2": "probe"}
-    for shift, policy in enumerate(exits):
+    per_window = {"uniform": {"loss": uniform_loss[:, None] + offsets, "loops": np.repeat(depths[:, None], 3, 1),
+                              "flops": np.repeat(1e6 * (1 + depths[:, None]), 3, 1)}}
+    labels = {"uniform": "A0", "kl": "A1", "state": "A1s", "probe": "A2"}
+    for shift, policy in enumerate(list(labels)[1:]):
         loops = np.linspace(2.0, R_MAX, 5)[:, None] + offsets
-        per_window[f"{policy} loss"] = 3.0 + 1.0 / np.minimum(loops, MEAN) + 0.01 * shift
-        per_window[f"{policy} loops"] = loops
-        per_window[f"{policy} flops"] = 1e6 * (1.2 + loops)
-    return {"checkpoint": "hand@10", "mean_loops": MEAN, "r_max": R_MAX, "bar": 3.0 + 1.0 / MEAN, "exits": exits,
-            "settings": {"A0": depths.tolist()},
-            "per_window": {key: array.tolist() for key, array in per_window.items()}}
+        per_window[policy] = {"loss": 3.0 + 1.0 / np.minimum(loops, MEAN) + 0.01 * shift, "loops": loops,
+                              "flops": 1e6 * (1.2 + loops)}
+    return {"checkpoint": "hand@10", "mean_loops": MEAN, "r_max": R_MAX, "bar": 3.0 + 1.0 / MEAN, "labels": labels,
+            "settings": {"uniform": depths.tolist()},
+            "per_window": {policy: {measure: array.tolist() for measure, array in measures.items()}
+                           for policy, measures in per_window.items()}}
 
 
 def hand_made_token_classes():

@@ -44,15 +44,15 @@ def test_forward_shapes_every_depth(mode):
     model = tiny()
     idx = torch.randint(0, 50, (2, 16))
     for loops in range(1, model.config.max_loops + 1):
-        none, loss = model(idx, idx, loops=loops, state_init=mode)  # training: the loss only, in chunks
-        assert none is None and loss.dim() == 0 and torch.isfinite(loss)
-        logits, none = model(idx, loops=loops, state_init=mode)
-        assert logits.shape == (2, 16, 50) and none is None
+        loss = model(idx, idx, loops=loops, state_init=mode)  # training: the loss only, in chunks
+        assert loss.dim() == 0 and torch.isfinite(loss)
+        logits = model(idx, loops=loops, state_init=mode)
+        assert logits.shape == (2, 16, 50)
         if mode == "zero":  # the same computation
             ref = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
             torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     s0 = torch.zeros(2, 16, model.config.n_embd)  # 0 loops: the coda reads s_0
-    torch.testing.assert_close(model(idx, loops=0, state_init="zero")[0], model.readout(s0))
+    torch.testing.assert_close(model(idx, loops=0, state_init="zero"), model.readout(s0))
     with pytest.raises(ValueError):
         model(idx, state_init="ones")
 
@@ -97,7 +97,7 @@ def grads(model, loss):
 def test_gradients_flow_only_through_last_bptt_k_loops(loops):
     model = tiny()
     idx = torch.randint(0, 50, (2, 16))
-    got = grads(model, model(idx, idx, loops=loops, state_init="zero")[1])
+    got = grads(model, model(idx, idx, loops=loops, state_init="zero"))
     ref = grads(model, unrolled_loss(model, idx, loops, min(loops, model.config.bptt_k)))
     full = grads(model, unrolled_loss(model, idx, loops, loops))  # full backprop
     assert got.keys() == ref.keys()
@@ -245,18 +245,21 @@ def test_every_exit_depth_moves_with_min_exit_loop(monkeypatch):
 
 
 def test_the_training_loss_is_the_readouts_whatever_the_readout(monkeypatch):
-    """One coda path for training and inference: a change to it (here, a doubled output) changes the
-    training loss exactly as it changes the logits the readout gives."""
+    """One readout for training and inference: a change to GPT.readout (here, its input doubled)
+    changes the training loss exactly as it changes the logits inference reads."""
     model = tiny()
     idx = torch.randint(0, 50, (2, 16))
     targets = torch.randint(0, 50, (2, 16))
-    coda = GPT.coda
-    monkeypatch.setattr(GPT, "coda", lambda self, s, cache=None: 2 * coda(self, s, cache))
-    loss = model(idx, targets, loops=2, state_init="zero")[1]
-    logits = model(idx, loops=2, state_init="zero")[0]
+    readout = GPT.readout
+
+    def doubled(self, s, cache=None, targets=None):
+        return readout(self, 2 * s, cache, targets)
+    monkeypatch.setattr(GPT, "readout", doubled)
+    loss = model(idx, targets, loops=2, state_init="zero")
+    logits = model(idx, loops=2, state_init="zero")
     torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
     monkeypatch.undo()
-    assert not torch.allclose(loss, model(idx, targets, loops=2, state_init="zero")[1])  # the change showed
+    assert not torch.allclose(loss, model(idx, targets, loops=2, state_init="zero"))  # the change showed
 
 
 def test_bad_shapes_are_refused_naming_the_field():
@@ -280,7 +283,7 @@ def briefly_trained(steps=40):
         seq = (torch.randint(0, 7, (8, 1), generator=g) + torch.arange(17)) % 7
         seq = seq + 7 * torch.randint(0, 2, (8, 17), generator=g)
         with autocast("cpu", "bfloat16"):
-            loss = model(seq[:, :16], seq[:, 1:], loops=int(torch.randint(1, 6, (), generator=g)))[1]
+            loss = model(seq[:, :16], seq[:, 1:], loops=int(torch.randint(1, 6, (), generator=g)))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -342,8 +345,8 @@ def test_training_loss_is_a_float32_cross_entropy_of_the_readout_under_bf16():
     targets = torch.randint(0, 50, (2, 16))
     targets[0, 3] = -1  # ignored, and not counted in the mean
     with autocast("cpu", "bfloat16"):
-        loss = model(idx, targets, loops=2, state_init="zero")[1]
-        logits = model(idx, loops=2, state_init="zero")[0]
+        loss = model(idx, targets, loops=2, state_init="zero")
+        logits = model(idx, loops=2, state_init="zero")
     assert loss.dtype == torch.float32 and logits.dtype == torch.bfloat16
     # the loss applies the head in float32; these logits left it in bf16: the two agree to bf16's rounding
     per_token = F.cross_entropy(logits.double().flatten(0, 1), targets.flatten(), ignore_index=-1, reduction="none")
@@ -357,10 +360,10 @@ def loss_and_gradients(model, idx, targets, dtype, whole_logits=False):
     model.zero_grad()
     with autocast("cpu", dtype):
         if whole_logits:
-            logits = model(idx, loops=2, state_init="zero")[0].float()
+            logits = model(idx, loops=2, state_init="zero").float()
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         else:
-            loss = model(idx, targets, loops=2, state_init="zero")[1]
+            loss = model(idx, targets, loops=2, state_init="zero")
     loss.backward()
     return loss.double().detach(), {name: p.grad.double() for name, p in model.named_parameters()}
 

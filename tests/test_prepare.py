@@ -348,7 +348,7 @@ def test_fineweb_sample_holds_what_is_asked(monkeypatch):
                                (100_000_000, "sample-10BT"), (9 * 10 ** 9, "sample-10BT"),
                                (13_000_000_000, "sample-100BT")):  # S1's prepare (README)
         with pytest.raises(LookupError) as caught:
-            prepare.hub("fineweb-edu", 0.005, max_tokens)
+            prepare.fineweb_edu(0.005, max_tokens)
         assert caught.value.args == (sample,)
 
 
@@ -499,10 +499,10 @@ def test_shakespeare_with_a_bad_checksum_is_refused(workdir):
 
 def test_the_docstring_names_the_default_tokenizer(monkeypatch, capsys):
     assert "1024-entry BPE" in prepare.__doc__ and "4096" not in prepare.__doc__
-    assert prepare.parse_settings([]).tokenizer == "bpe:1024"
-    assert prepare.parse_settings(["--source=tinystories"]).tokenizer == "smollm2"
-    assert prepare.parse_settings(["--source=fineweb-edu"]).val_fraction == 0.005
-    assert prepare.parse_settings(["--source=fineweb-edu", "--val_fraction=0.01"]).val_fraction == 0.01
+    assert prepare.parse_settings([])[0].tokenizer == "bpe:1024"
+    assert prepare.parse_settings(["--source=tinystories"])[0].tokenizer == "smollm2"
+    assert prepare.parse_settings(["--source=fineweb-edu"])[0].val_fraction == 0.005
+    assert prepare.parse_settings(["--source=fineweb-edu", "--val_fraction=0.01"])[0].val_fraction == 0.01
     with pytest.raises(SystemExit) as caught:  # --help: the docstring, then every setting
         prepare.main(["--help"])
     assert caught.value.code == 0

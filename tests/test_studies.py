@@ -14,10 +14,11 @@ import torch
 import allocate
 import configurator
 import evaluate
+import model as model_lib
 from evaluate import load_windows
 from model import GPT, GPTConfig, checkpoint_id, load_checkpoint
 from prepare import load_tokenizer
-from studies import laptop, probe, saturation, saturation_table, timing
+from studies import laptop, matched, probe, saturation, saturation_table, timing
 from studies import token_classes as studies_token_classes
 from conftest import stderr_of_a_refusal
 from test_allocate import train_tiny
@@ -76,12 +77,12 @@ def test_saturation_of_a_checkpoint_from_its_eval_json(indir, capsys):
     capsys.readouterr()
     result = saturation.main(["--out_dir=out"])
     assert json.loads((indir / "out" / "saturation.json").read_text()) == json.loads(json.dumps(result))
-    losses = {row["loops"]: row["loss"] for row in evaluated["elasticity"]}  # swept: 1, 2, 3, 6, 12 <= 4 x 3
+    losses = {row["loops"]: row["loss"] for row in evaluated["rows"]}  # every loop to 6, and 12 = 4 x 3
     depth = result["depth"]["value"]
     assert depth in losses and 1 <= min(result["depth"]["interval"])
     assert losses[depth] <= min(losses.values()) + saturation.SATURATION_TOL
     assert result["useful_range"]["value"] == pytest.approx(losses[1] - losses[depth])
-    assert result["checkpoint"].endswith("@60") and result["swept"] == [1, 2, 3, 6, 12]
+    assert result["checkpoint"].endswith("@60") and result["swept"] == [1, 2, 3, 4, 5, 6, 12]
     assert capsys.readouterr().out.startswith(f"saturation depth {depth:g} [")
 
 
@@ -122,14 +123,14 @@ def test_token_classes_at_the_operating_threshold_by_input_token():
                        [0.05, 0.5, 0.5, 0.005, 0.5],   # loop 2
                        [0.5, 0.05, 0.5, 0.5, 0.5],     # loop 3
                        [0.5, 0.5, 0.05, 0.5, 0.5]])[:, None]  # loop 4 (r_max: the last token's forced exit)
-    grids = {"A1": [0.01, 0.1, 1.0]}
-    per_window = {("A1", "loss"): np.array([[3.0], [3.1], [3.5]])}  # the threshold's mean loss
+    grids = {"kl": [0.01, 0.1, 1.0]}
+    per_window = {("kl", "loss"): np.array([[3.0], [3.1], [3.5]])}  # the threshold's mean loss
     names = {0: " ", 1: "7", 2: ",", 3: "cat", 4: "dog"}
     inputs = torch.tensor([[4, 0, 3, 1, 2]])  # dog, space, cat, 7, comma
 
     def decode(ids):
         return "".join(names[i] for i in ids)
-    threshold = allocate.operating_threshold(per_window, "A1", grids["A1"], 3.2)
+    threshold = allocate.operating_threshold(per_window, "kl", grids["kl"], 3.2)
     assert threshold == 0.1  # 0.1 and 0.01 reach 3.2: the largest
     res = studies_token_classes.token_classes({"kl": kl}, threshold, inputs, decode)
     assert res["threshold"] == 0.1
@@ -138,7 +139,7 @@ def test_token_classes_at_the_operating_threshold_by_input_token():
     count = {row["class"]: row["count"] for row in res["rows"]}
     assert depth == {"space": 3.0, "numeral": 2.0, "punctuation": 4.0, "word": (2 + 4) / 2, "all": 15 / 5}
     assert count == {"space": 1, "numeral": 1, "punctuation": 1, "word": 2, "all": 5}
-    assert allocate.operating_threshold(per_window, "A1", grids["A1"], 2.0) == 0.01  # none reaches: the smallest
+    assert allocate.operating_threshold(per_window, "kl", grids["kl"], 2.0) == 0.01  # none reaches: the smallest
     res = studies_token_classes.token_classes({"kl": kl}, threshold, torch.tensor([[3, 3, 3, 4, 4]]), decode)
     assert [row["count"] for row in res["rows"]] == [0, 0, 0, 5, 5] and "mean_exit_depth" not in res["rows"][0]
 
@@ -181,12 +182,12 @@ def test_training_flops_count_the_depth_drawn_for_each_step():
     model_args = {"vocab_size": 64, "n_embd": 32, "n_head": 2, "n_kv_head": 1, "ffn_hidden": 64, "block_size": 32,
                   "n_prelude": 1, "n_core": 1, "n_coda": 1, "mean_loops": 4, "max_loops": 16, "bptt_k": 2}
     ckpt = {"config": settings, "model_args": model_args, "iter_num": 10}
-    model = GPT(GPTConfig(**model_args))
+    model = GPT(GPTConfig(**model_args, loop_dist="fixed", loop_spread=1.0))
     tokens = 10 * 2 * 32 * 3  # steps x a step's tokens
-    assert saturation_table.training_flops(ckpt) == tokens * model.flops_per_token(4, 2, 32)
+    assert saturation_table.training_flops(model, ckpt) == tokens * model.flops_per_token(4, 2, 32)
     # drawn from a LogNormal (spread 1: depths from 1 to 16), the steps' FLOPs lie between the extremes'
-    ckpt["config"] = settings | {"loop_dist": "lognormal"}
-    per_token = saturation_table.training_flops(ckpt) / tokens
+    model.config.loop_dist = "lognormal"
+    per_token = saturation_table.training_flops(model, ckpt) / tokens
     assert model.flops_per_token(1, 1, 32) < per_token < model.flops_per_token(16, 2, 32)
     assert per_token != model.flops_per_token(4, 2, 32)
 
@@ -207,16 +208,16 @@ def test_saturation_table_of_two_runs(indir, capsys):
     out = capsys.readouterr().out
     assert out.startswith("| " + " | ".join(saturation_table.HEADERS) + " |")
     assert [row[0] for row in rows] == ["out-a", "out-b"] and out.count("\n| out-") == 2
-    _, ckpt = load_checkpoint("out-a/ckpt.pt")
+    model, ckpt = load_checkpoint("out-a/ckpt.pt")
     for row in rows:
         evaluated = json.loads(Path(row[0], "eval.json").read_text())
         saturated = json.loads(Path(row[0], "saturation.json").read_text())
-        loss_at = {r["loops"]: r["loss"] for r in evaluated["elasticity"]}
+        loss_at = {r["loops"]: r["loss"] for r in evaluated["rows"]}
         assert row[1:5] == [3, 0.5, 1337, 60]  # train_tiny's mean, spread, seed and steps
-        assert row[5] == f"{saturation_table.training_flops(ckpt) / 1e15:.3f}"
+        assert row[5] == f"{saturation_table.training_flops(model, ckpt) / 1e15:.3f}"
         assert row[6] == evaluate.show(saturated["depth"], "g")
         assert row[8] == f"{loss_at[saturated['depth']['value']]:.4f}" and row[9] == f"{min(loss_at.values()):.4f}"
-        assert row[10] == f"{evaluated['convergence']['median_depth']:g}"
+        assert row[10] == f"{evaluated['median_convergence_depth']:g}"
     if importlib.util.find_spec("matplotlib") is not None:  # the figure, where matplotlib is installed
         assert (indir / "saturation.png").read_bytes().startswith(b"\x89PNG")
 
@@ -264,15 +265,6 @@ def test_parity_is_the_ratio_of_the_median_logged_flop_rates(tmp_path):
         laptop.median_flop_rate(tmp_path / "untrained")
 
 
-def test_tokens_per_second_from_samples_report():
-    report = ("--exit=kl at threshold 0.004: calibrated\n"
-              "1234.5 tokens/s (1008 timed), 5.20 loops (a step's deepest 7.00), 3.1 MFLOP per token, float32\n"
-              "loops per new token (loops:tokens): 2:10 3:100\n")
-    assert laptop.tokens_per_second(report) == 1234.5
-    with pytest.raises(configurator.UserError, match="no tokens/s"):
-        laptop.tokens_per_second("at 12 tokens/s (not at a line's start)")
-
-
 def test_bracket_on_hand_made_rates():
     """README's CPU default: A1 at the bar at 5.47 loops against r=8; uniform r=5 at 1.48x r=8's tokens/s."""
     assert laptop.bracket_settings(8, 5.47, 0.004) == {"uniform": ("--loops=8",), "matched": ("--loops=5",),
@@ -285,7 +277,7 @@ def test_laptop_study_times_each_setting_once_and_reads_the_bracket_off_them(ind
     write_metrics(tmp_path / "recurrent", [3e10])
     write_metrics(tmp_path / "dense", [2e10])
     _, ckpt = load_checkpoint("out/ckpt.pt")
-    allocated = {"checkpoint": checkpoint_id(ckpt), "mean_loops": 3, "at_bar": {"A1": {"loops": {"value": 2.4}}},
+    allocated = {"checkpoint": checkpoint_id(ckpt), "mean_loops": 3, "at_bar": {"kl": {"loops": {"value": 2.4}}},
                  "operating_thresholds": {"kl": 0.005, "state": 0.05}}
     Path("out/allocate.json").write_text(json.dumps(allocated))
     rate_of = {("--loops=3",): 100.0, ("--loops=2",): 130.0, ("--exit=kl", "--exit_threshold=0.005"): 80.0}
@@ -303,32 +295,74 @@ def test_laptop_study_times_each_setting_once_and_reads_the_bracket_off_them(ind
         assert result["bracket"][batch] == pytest.approx({"loops_saved": 0.2, "best_case": 1.3, "realized": 0.8})
     assert "realized 0.80x" in capsys.readouterr().out
     assert json.loads(Path("out/laptop.json").read_text())["bracket"]["8"]["best_case"] == pytest.approx(1.3)
-    allocated["at_bar"]["A1"]["loops"]["value"] = None  # A1 never reaches the bar: the table, no bracket
+    allocated["at_bar"]["kl"]["loops"]["value"] = None  # A1 never reaches the bar: the table, no bracket
     Path("out/allocate.json").write_text(json.dumps(allocated))
     timed.clear()
     assert laptop.main(argv)["bracket"] == {} and len(timed) == len(laptop.GENERATIONS)
     assert "no bracket" in capsys.readouterr().out
 
 
-def test_generation_rate_runs_sample_py(indir, monkeypatch):
-    """The one contract with sample.py: the tokens/s its report on stderr begins with; a refusal is its last line."""
+def test_generation_rate_runs_the_engine_and_reads_its_json_report(indir, monkeypatch):
+    """The one contract with python -m engine: the tokens/s of its JSON report; a refusal is its last line."""
     cpu = ("--device=cpu", "--dtype=float32", "--compile=False")  # a process of its own: on a GPU machine too
     assert laptop.generation_rate("out", 2, ("--loops=2", *cpu), 6) > 0
     refused = subprocess.CompletedProcess([], 2, "", "warning: a line\nerror: no checkpoint at nowhere/ckpt.pt\n")
     monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: refused)  # a second Python start is seconds
-    with pytest.raises(configurator.UserError, match="sample.py --loops=2 failed: error: no checkpoint at nowhere"):
+    with pytest.raises(configurator.UserError, match="--loops=2 failed: error: no checkpoint at nowhere"):
         laptop.generation_rate("nowhere", 2, ("--loops=2",), 6)
 
 
 # ---- A2's probe, diagnosed -------------------------------------------------------------------------------
 def test_probe_accuracy_on_hand_made_labels():
     # (loops, tokens): token 0's argmax changes after loop 1, token 1's never; the last loop has no label
-    traced = {"argmax": torch.tensor([[1, 1], [2, 1], [2, 1]]), "probe": torch.tensor([[0.9, 0.2], [0.1, 0.4], [0.7, 0.7]])}
-    assert probe.probe_accuracy(traced) == {"accuracy": 1.0, "majority": 0.75}
+    argmax = torch.tensor([[1, 1], [2, 1], [2, 1]])
+    scores = torch.tensor([[0.9, 0.2], [0.1, 0.4], [0.7, 0.7]])
+    assert probe.probe_accuracy(argmax, scores) == {"accuracy": 1.0, "majority": 0.75}
 
 
-def test_the_probe_of_a_checkpoint_is_allocates(indir):
-    allocate.main(ALLOCATE_FAST)
-    result = probe.main(["--out_dir=out"])
+def test_label_harvester_on_crafted_argmaxes():
+    argmax = torch.tensor([[5, 5, 5, 5], [1, 2, 2, 2], [1, 2, 1, 1], [3, 3, 3, 4], [1, 2, 2, 1]]).T  # (loops, tokens)
+    expected = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool).T
+    assert torch.equal(probe.harvest_labels(argmax), expected)
+
+
+def test_probe_learns_a_separable_toy_problem():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(600, 5, generator=g) * torch.tensor([1.0, 3.0, 0.1, 1.0, 1.0]) + 2.0  # unstandardised on purpose
+    y = (x[:, 0] - 2.0) + 0.5 * (x[:, 1] - 2.0) > 0.3
+    fitted = probe.fit_probe(x[:500], y[:500])
+    assert ((fitted(x[500:]) > 0.5) == y[500:]).float().mean() > 0.95  # on points it did not see
+
+
+def test_a2_runs_through_allocate_as_an_exit_test_registered_at_run_time(indir):
+    """python -m studies.probe: A2 beside uniform depth and the exits in allocate.json, labelled A2, and the
+    registry as it was afterwards; probe.json holds its accuracy and its cost at the bar."""
+    registered = dict(model_lib.EXIT_TESTS)
+    result = probe.main(ALLOCATE_FAST)
+    assert model_lib.EXIT_TESTS == registered
     assert 0 <= result["majority"] <= 1 and 0.5 <= result["majority"] and 0 <= result["accuracy"] <= 1
     assert json.loads((indir / "out" / "probe.json").read_text()) == json.loads(json.dumps(result))
+    allocated = json.loads((indir / "out" / "allocate.json").read_text())
+    assert list(allocated["per_window"]) == ["uniform", *registered, "probe"]
+    assert allocated["labels"]["probe"] == "A2" and result["at_bar"] == allocated["at_bar"]["probe"]
+    loops = np.array(allocated["per_window"]["probe"]["loops"])
+    assert (2 <= loops).all() and (loops <= 8).all()
+
+
+# ---- the paper's table at matched average loops ---------------------------------------------------------
+def test_interpolation_on_a_hand_made_curve():
+    curve = [(4, 3.0), (1, 4.0), (8, 2.9), (2, 3.5)]  # unsorted on purpose
+    assert matched.interp_loss(curve, 3) == pytest.approx(3.25)
+    assert matched.interp_loss(curve, 8) == pytest.approx(2.9)
+    assert matched.interp_loss(curve, 0.5) is None and matched.interp_loss(curve, 9) is None
+
+
+def test_the_matched_table_of_a_checkpoint_is_read_off_allocate_json(indir, capsys):
+    """Every registered exit's loss minus uniform depth's at 3/8..7/8 of mean_loops, from allocate.json."""
+    allocate.main(ALLOCATE_FAST)
+    capsys.readouterr()
+    result = matched.main(["--out_dir=out", "--bootstrap=50"])
+    assert [row["loops"] for row in result["rows"]] == [3 * f / 8 for f in range(3, 8)]
+    assert all(set(row) == {"loops", "uniform", *model_lib.EXIT_TESTS} for row in result["rows"])
+    assert "| kl (A1) - uniform |" in capsys.readouterr().out
+    assert json.loads((indir / "out" / "matched.json").read_text()) == json.loads(json.dumps(result))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The numbers a GPU run reports, on one GPU in about 7 minutes (the Python: studies/gpu_check.py):
 #
-#   ./gpu_check.sh --dataset=shakespeare_smollm2
+#   ./studies/gpu_check.sh --dataset=shakespeare_smollm2
 #
 # 1) S0 (config/s0.py) trained for a few hundred steps: its checkpoint, and S0's training MFU and peak
 #    memory at the paper's micro-batch (32); then a few steps of S0 at 16 and of S1 (config/s1.py) at 4
@@ -24,13 +24,13 @@
 #   SAMPLE_FLAGS=...    more flags for every sample.py run (--compile=False: eager decoding)
 #   GPU_CHECK_TINY=1    narrow models, a few steps, 16 new tokens: a dry run of this script on a CPU
 set -euo pipefail
-cd "$(dirname "$0")"  # the repository: its scripts, config/ and data/
+cd "$(dirname "$0")/.."  # the repository: its scripts, config/ and data/
 
 dataset=shakespeare_smollm2
 for arg in "$@"; do
     case "$arg" in
         --dataset=*) dataset="${arg#--dataset=}" ;;
-        *) echo "usage: ./gpu_check.sh [--dataset=NAME]   (got '$arg')" >&2; exit 2 ;;
+        *) echo "usage: ./studies/gpu_check.sh [--dataset=NAME]   (got '$arg')" >&2; exit 2 ;;
     esac
 done
 if [[ ! -f "data/$dataset/meta.json" ]]; then
