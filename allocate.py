@@ -4,19 +4,13 @@
     kl (A1)       a token stops once KL(p_i || p_{i-1}) < threshold
     state (A1s)   a token stops once ||s_i - s_{i-1}|| / ||s_i|| < threshold
 
-kl and state are the exit tests of model.EXIT_TESTS: a test registered there is a policy here too,
-as the paper's A2 is by `python -m studies.probe`. A policy goes by its key; the paper's names are
-labels in the tables.
-
-Every policy is read off one trace of the windows to r_max from a zero state (evaluate.trace): a
-token stops after the first loop from 2 whose score is below the threshold, or at r_max, and scores
-the loss it had there. This reads each token as if alone: in a real run a stopped token would show
-the others its held state, not its next one (the paper's masking harness; the tests bound the
-difference). Each policy's cost at the bar (uniform depth's loss at mean_loops) is read in loops
-and in FLOPs per token, with paired bootstrap 95% intervals, and each exit test's operating
-threshold (the fewest loops that reach the bar) goes to allocate.json, where sample.py --exit finds
-it. allocate.json keeps every point of every curve: python -m studies.matched reads the paper's
-table at matched average loops off it.
+Every exit test of model.EXIT_TESTS is a policy (A2 too: python -m studies.probe), read off one
+trace of the windows to r_max from a zero state: a token stops after the first loop from 2 whose
+score is below the threshold, or at r_max, with the loss it had there, as if alone (the paper's
+masking harness shows the others its held state; the tests bound the difference). Reported: each
+policy's loops and FLOPs per token at the bar (uniform depth's loss at mean_loops), with paired
+bootstrap intervals; to allocate.json also each exit's operating threshold (the fewest loops that
+reach the bar: sample.py --exit runs it) and every point of every curve (studies.matched).
 
     python allocate.py --out_dir=out-shakespeare
 """
@@ -31,8 +25,8 @@ import torch
 
 from configurator import UserError, configure, run
 from evaluate import load_windows, markdown, paired_bootstrap, show, trace_windows
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, checkpoint_id,
-                   exit_depth, save_atomic)
+from model import (DEVICES, EXIT_TESTS, MAX_LOOPS, MIN_EXIT_LOOP, DepthPolicy, autocast,
+                   checkpoint_id, exit_depth, save_atomic)
 from prepare import open_run
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes allocate.json
@@ -45,9 +39,9 @@ bootstrap = 1000  # resamples of the windows for every interval
 seed = 1337  # picks the windows and the bootstrap resamples
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "float32"  # even on a GPU: bf16 autocast puts a floor under the small KLs the exits test
-RULES = dict(windows=(1, inf), train_windows=(2, inf), batch_size=(1, inf), n_grid=(2, inf),
-             bootstrap=(10, inf), seed=(0, 2 ** 32 - 1), dtype=("float32", "bfloat16"),
-             device=DEVICES)
+RULES = dict(windows=(1, inf), train_windows=(2, inf), r_max=(0, MAX_LOOPS), batch_size=(1, inf),
+             n_grid=(2, inf), bootstrap=(10, inf), seed=(0, 2 ** 32 - 1),
+             dtype=("float32", "bfloat16"), device=DEVICES)
 
 
 def allocation_windows(data_dir, meta, length, args):
@@ -60,8 +54,8 @@ def allocation_windows(data_dir, meta, length, args):
 
 
 def read_allocation(out_dir, ckpt):
-    """out_dir/allocate.json, checked to be of ckpt (the checkpoint dict) -> its dict. UserError if
-    there is none or it is another checkpoint's: a retrained run's thresholds are not this one's."""
+    """out_dir/allocate.json, checked to be of ckpt (the checkpoint dict) -> its dict, or UserError:
+    a retrained run's thresholds are not this one's."""
     path = os.path.join(out_dir, "allocate.json")
     if not os.path.isfile(path):
         raise UserError(f"no {path}: run `python allocate.py --out_dir={out_dir}` first")
@@ -74,40 +68,38 @@ def read_allocation(out_dir, ckpt):
 
 
 def log_grid(scores, n):
-    """n thresholds, geometric between the 1st and 99th percentiles of the positive scores."""
-    # The scores span decades (KL 1e-1 at loop 2, 1e-5 in the tail): a geometric grid over their
-    # range gives every depth a threshold near it, and reading the trace makes thresholds free.
+    """n thresholds, geometric between the 1st and 99th percentiles of the positive scores: they
+    span decades (KL 1e-1 at loop 2, 1e-5 in the tail), and every depth gets one near it."""
     positive = scores[torch.isfinite(scores) & (scores > 0)].double().numpy()
+    # every score 0 (a model whose output never changes): any threshold stops every token at once
+    if not positive.size:
+        return [1.0] * n
     low, high = np.quantile(positive, [0.01, 0.99])
     return np.geomspace(low, high, n).tolist()
 
 
 def threshold_grids(model, train_wins, C, r_max):
-    """{exit test's name: its thresholds}, from training windows only: tuned on the evaluation
-    windows, they would flatter the exits. Each grid spans the scores where tokens may stop."""
+    """{exit test's name: its thresholds}, from the scores where tokens may stop on training
+    windows: tuned on the evaluation windows, they would flatter the exits."""
     traced = trace_windows(model, train_wins, r_max, C.batch_size, tuple(EXIT_TESTS))
     return {name: log_grid(traced[name][MIN_EXIT_LOOP - 1:], C.n_grid) for name in EXIT_TESTS}
 
 
 def read_policies(model, traced, tests, grids):
     """Every policy's points read off the trace -> per_window {(policy, "loss" | "loops" |
-    "flops"): (points, windows) array}: each window's mean loss, loops and FLOPs per token at
-    each uniform depth r = 1..r_max and, for each exit test {policy: ExitTest}, at each of its
-    thresholds grids[policy]."""
+    "flops"): (points, windows)}: each window's mean loss, loops and FLOPs per token at uniform
+    depth r = 1..r_max, and for each exit test {policy: ExitTest} at each of grids[policy]."""
     r_max, n, T = traced["loss"].shape
-    # uniform depth r: every token of every window runs r loops
     uniform_loops = np.repeat(np.arange(1.0, r_max + 1)[:, None], n, 1)
     per_window = {("uniform", "loss"): traced["loss"].double().mean(2).numpy(),
                   ("uniform", "loops"): uniform_loops,
                   ("uniform", "flops"): model.inference_flops(uniform_loops, T)}
-    # An exit at a threshold: each token runs the loops the stop rule gives it (exit_depth), and
-    # its loss is the trace's after its last loop; a window's figures are its tokens' means.
+    # under an exit, a token has the trace's loss after the last loop the stop rule gives it
     for name, test in tests.items():
         losses = []
         loops = []
         for threshold in grids[name]:
             depth = exit_depth(traced[name], DepthPolicy(test, threshold, r_max))
-            # each token's loss after its last loop (row loop - 1 of the trace)
             loss = traced["loss"].gather(0, depth[None] - 1)[0]
             losses.append(loss.double().mean(1).numpy())
             loops.append(depth.double().mean(1).numpy())
@@ -132,7 +124,6 @@ def cost_at_loss(points, loss):
     points = sorted(points)
     if points[0][1] <= loss:
         return points[0][0]
-    # each segment starts above `loss`
     for (c0, l0), (c1, l1) in zip(points, points[1:]):
         if l1 <= loss:
             return c0 + (l0 - loss) / (l0 - l1) * (c1 - c0)
@@ -140,7 +131,7 @@ def cost_at_loss(points, loss):
 
 
 def bar_loss(per_window, mean):
-    """The bar: uniform depth's loss at r = mean_loops, the quality the paper holds every policy to."""
+    """The bar: uniform depth's loss at r = mean_loops, the quality every policy is held to."""
     return per_window["uniform", "loss"][mean - 1].mean()
 
 
@@ -166,11 +157,10 @@ def saving_at_bar(per_window, policy, mean, cost):
 
 
 def summarize(per_window, C, mean):
-    """Each policy's cost at the bar in loops and in FLOPs, and what it saves there against uniform
-    depth, each with its paired bootstrap interval (every policy's arrays resampled with the same
-    windows) -> {"bar": loss, "at_bar": {policy: {"loops", "loops_saved", "flops", "flops_saved"}}}."""
+    """Each policy's cost at the bar in loops and FLOPs and what it saves against uniform depth,
+    with paired intervals (every array resampled with the same windows) -> {"bar": loss, "at_bar":
+    {policy: {"loops", "loops_saved", "flops", "flops_saved"}}}."""
     result = {"bar": bar_loss(per_window, mean), "at_bar": {}}
-    # uniform, then each exit
     for policy in dict.fromkeys(policy for policy, _ in per_window):
         at_bar = {}
         for cost in ("loops", "flops"):
@@ -183,16 +173,14 @@ def summarize(per_window, C, mean):
 
 
 def print_report(result):
-    """A row per policy: the loops and FLOPs at which it reaches the bar, what it saves there; then
-    each exit's operating threshold."""
+    """A row per policy: the loops and FLOPs at which it reaches the bar, what it saves there."""
     print(f"\n## Allocation against uniform depth: {result['windows']} windows, r_max "
           f"{result['r_max']}; the bar is uniform r={result['mean_loops']}'s loss, "
           f"{result['bar']:.4f}\n")
-    print("The loops and FLOPs per token at which each policy first reaches the bar (-: never), and "
-          "what it saves there against uniform depth (an interval holding 0: no difference).\n")
+    print("The loops and FLOPs per token at which each policy first reaches the bar (-: never), "
+          "and what it saves there (an interval holding 0: no difference).\n")
     rows = []
     for policy, at_bar in result["at_bar"].items():
-        # a test registered without the paper's name goes by its own
         label = result["labels"][policy]
         named = f"{policy} ({label})" if label else policy
         rows.append([named, show(at_bar["loops"], ".2f"), show(at_bar["loops_saved"], "+.3f"),
@@ -228,15 +216,12 @@ def main(argv=()):
     result = {"args": vars(C), "checkpoint": checkpoint_id(ckpt), "mean_loops": mean,
               "r_max": r_max, "windows": C.windows}
     result |= summarize(per_window, C, mean)
-    # the paper's names, for the tables
     result["labels"] = {"uniform": "A0"} | {name: test.label for name, test in EXIT_TESTS.items()}
-    # each exit test's operating point: the threshold sample.py --exit runs for this checkpoint
-    result["operating_thresholds"] = {}
-    for name in EXIT_TESTS:
-        threshold = operating_threshold(per_window, name, grids[name], result["bar"])
-        result["operating_thresholds"][name] = threshold
+    bar = result["bar"]
+    result["operating_thresholds"] = {name: operating_threshold(per_window, name, grids[name], bar)
+                                      for name in EXIT_TESTS}
     print_report(result)
-    # every point of every curve, window by window: uniform depth's r, an exit's thresholds
+    # every point of every curve, window by window
     result["settings"] = {"uniform": list(range(1, r_max + 1))} | grids
     result["per_window"] = {}
     for (policy, measure), array in per_window.items():

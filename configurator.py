@@ -1,19 +1,19 @@
 """Settings for every script, nanoGPT's way without exec-ing the command line.
 
 A script's settings are its top-level `name = default  # what it does` lines. A config file
-(Python, run as such) overrides them, then `--key=value` or `--key value` does; a bare `--flag`
-is True. A value keeps its default's type (an int is accepted for a float). A number must be
-finite and at least 0, unless the script's RULES give it a range; RULES also hold the choices
-of text settings. `--help` prints each setting with its default and comment.
-
-Bad input anywhere in the project raises UserError; `run` prints it as one line and exits 2.
+(Python, run as such) overrides them, then `--key=value` or `--key value`; a bare `--flag` is True.
+A value keeps its default's type (an int is accepted for a float); a number is finite, in [0,
+LIMITS' bound] unless the script's RULES give its range; RULES also hold text settings' choices.
+Bad input anywhere raises UserError; `run` prints it as one line and exits 2.
 """
 import ast
-import io
+import fcntl
 import math
 import sys
-import tokenize
 from types import SimpleNamespace
+
+# the largest number a setting takes: no machine's size, and what float32 tensors can scale by
+LIMITS = {int: 2 ** 48, float: 3.0e38}
 
 
 class UserError(Exception):
@@ -24,37 +24,35 @@ def read_settings(script):
     """{name: (default, comment)} of a script's top-level `name = default  # comment` lines."""
     with open(script["__file__"], encoding="utf-8") as f:
         source = f.read()
-    comment_on_line = {}
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
-            comment_on_line[token.start[0]] = token.string.lstrip("# ")
+    lines = source.splitlines()
     settings = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             if name.islower():
-                settings[name] = (script[name], comment_on_line.get(node.lineno, ""))
+                comment = lines[node.end_lineno - 1].partition("  # ")[2]
+                settings[name] = (script[name], comment)
     return settings
 
 
 def check(key, value, default, rule):
     """value, if it fits the default's type and the rule; else UserError."""
-    # --learning_rate=1 means 1.0
     if isinstance(default, float) and type(value) is int:
         value = float(value)
     if type(value) is not type(default):
         raise UserError(f"--{key}: expected {type(default).__name__}, got {value!r}")
     if isinstance(value, str):
-        # whitespace is a value (sample.py's prompt "\n"), nothing is not
+        # whitespace is a value (sample.py's prompt "\n")
         if not value:
             raise UserError(f"--{key} must not be empty")
-        # how Python carries argv bytes that are not UTF-8
+        # lone surrogates: how Python carries argv bytes that are not UTF-8
         if any("\ud800" <= ch <= "\udfff" for ch in value):
             raise UserError(f"--{key} is not UTF-8 text (convert it, e.g. with iconv)")
         if rule is not None and value not in rule:
             raise UserError(f"--{key} must be one of {', '.join(rule)}, got {value!r}")
     elif not isinstance(value, bool):
         low, high = rule or (0, math.inf)
+        high = min(high, LIMITS[type(value)])
         if not (math.isfinite(value) and low <= value <= high):
             raise UserError(f"--{key} must be a finite number in [{low}, {high}], got {value!r}")
     return value
@@ -69,11 +67,7 @@ def read_config_file(path):
     # a user's file may raise anything: name the file
     except (Exception, SystemExit) as err:
         raise UserError(f"{path}: {type(err).__name__}: {err}") from None
-    settings = {}
-    for key, value in scope.items():
-        if not key.startswith("_") and type(value).__name__ != "module":
-            settings[key] = value
-    return settings
+    return {k: v for k, v in scope.items() if k[0] != "_" and type(v).__name__ != "module"}
 
 
 def parse_argv(argv, defaults):
@@ -83,7 +77,7 @@ def parse_argv(argv, defaults):
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            # a config file is run as Python: never a text file by mistake
+            # a config file runs as Python: never a text file by mistake
             if not arg.endswith(".py"):
                 raise UserError(f"{arg!r}: expected --key=value or a config file ending in .py")
             given |= read_config_file(arg)
@@ -126,16 +120,25 @@ def configure(script, argv):
     return SimpleNamespace(**(defaults | given)), set(given)
 
 
+def hold_lock(path, busy):
+    """An exclusive lock on path, held by the open file returned (the OS's flock: it goes with the
+    process, even a killed one); UserError(busy) while another process holds it."""
+    lock = open(path, "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError(busy) from None
+    return lock
+
+
 def run(main):
-    """A script's entry point: what a user typed or pointed at is one line and exit 2 (a
-    UserError, a file or folder the OS refuses, the network, a missing package, out of memory);
-    Ctrl-C is exit 130."""
+    """A script's entry point: what a user typed or pointed at (a setting, a path, the network, a
+    missing package, out of memory) is one line and exit 2; Ctrl-C is exit 130."""
     try:
         main(sys.argv[1:])
-    # OSError: a path, a permission, the network (ConnectionError)
     except (UserError, OSError) as err:
         fail(err)
-    # a package only some sources need (datasets): say how to add it
     except ModuleNotFoundError as err:
         # raised by a package itself (a broken install): its message is all there is
         if err.name is None:
@@ -146,12 +149,14 @@ def run(main):
         if KeyboardInterrupt in (type(err), type(err.__context__)):
             print("interrupted", file=sys.stderr)
             sys.exit(130)
-        # torch.OutOfMemoryError on a GPU; on a CPU the allocator's RuntimeError says so
+        # torch.compile's without a C++ compiler, whose message holds its stack
+        if "No working C++ compiler" in str(err):
+            fail("--compile=True needs a C++ compiler (g++ or clang) on PATH, or --compile=False")
+        # a GPU's OutOfMemoryError; on a CPU the allocator's RuntimeError, or C++'s bad_alloc
         out_of_memory = type(err).__name__ == "OutOfMemoryError"
-        if not out_of_memory and "can't allocate memory" not in str(err):
+        if not (out_of_memory or "can't allocate memory" in str(err) or "bad_alloc" in str(err)):
             raise
         fail("out of memory: try a smaller batch or model")
-    # numpy's or Python's own allocation failed
     except MemoryError:
         fail("out of memory: try a smaller batch or model")
 

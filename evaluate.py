@@ -1,9 +1,8 @@
 """A checkpoint on its validation split: how its loss and its tokens depend on the depth.
 
 One pass over the windows, loop by loop from training's initial noise (`trace`), gives a row per
-loop count: the loss (and each window's), and how the tokens converge there (the successive KL,
-the state change, the share still moving), and the median convergence depth. Built on it in
-studies/: the saturation depth, the speed at each depth, and the paper's figures.
+loop count (the loss, and how the tokens converge: the successive KL, the state change, the share
+still moving) and the median convergence depth. studies/ builds on it (saturation, figures).
 
     python evaluate.py --out_dir=out-shakespeare --loops=1,2,4,8  # every number: out_dir/eval.json
 """
@@ -16,8 +15,8 @@ import numpy as np
 import torch
 
 from configurator import UserError, configure, run
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, autocast, checkpoint_id, save_atomic,
-                   state_change, token_loss)
+from model import (DEVICES, EXIT_TESTS, MAX_LOOPS, MIN_EXIT_LOOP, autocast, checkpoint_id,
+                   save_atomic, state_change, token_loss)
 from prepare import bits_per_byte, open_run
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes eval.json
@@ -32,26 +31,26 @@ RULES = {"windows": (1, math.inf), "batch_size": (1, math.inf), "seed": (0, 2 **
          "dtype": ("float32", "bfloat16"), "device": DEVICES}
 # the paper's "still moving" line, fixed so that runs compare
 MOVING_KL = 1e-3
+# fewer items (windows, a task's items) resample to too few sets for a 95% interval to mean much
+MIN_ITEMS_FOR_INTERVAL = 10
 
 
 def loop_counts(text, mean):
-    """The loop counts, sorted; always r=1 (the shallowest) and mean_loops (the reference)."""
-    # By default every loop to 2 x mean_loops (the paper's convergence table reads to loop 16 at
-    # mean 8), then 4 x mean_loops: far enough past training's depth to see the curve flatten.
+    """The loop counts, sorted, 1 and mean_loops always; by default every loop to 2 x mean_loops
+    (the paper's table reads to 16 at mean 8) and 4 x mean_loops, to see the curve flatten."""
     if not text:
         return sorted({*range(1, 2 * mean + 1), 4 * mean})
     counts = {1, mean}
     for part in text.split(","):
-        if not (part.strip().isdecimal() and 1 <= int(part) <= 1024):
-            raise UserError(f"--loops {text!r}: expected counts in [1, 1024], e.g. 1,2,4,8")
+        if not (part.strip().isdecimal() and 1 <= int(part) <= MAX_LOOPS):
+            raise UserError(f"--loops {text!r}: expected counts in [1, {MAX_LOOPS}], e.g. 1,2,4,8")
         counts.add(int(part))
     return sorted(counts)
 
 
 def load_windows(path, bin_dtype, n, length, seed):
-    """n of the split's non-overlapping windows of `length` tokens, picked by seed -> (n, length)
-    int64. Whole slots of the split, so that no token is in two windows (the bootstrap's units);
-    only the picked ones are read."""
+    """n of the split's whole slots of `length` tokens (no token in two windows: the bootstrap's
+    units), picked by seed and read alone -> (n, length) int64."""
     data = np.memmap(path, dtype=bin_dtype, mode="r")
     slots = len(data) // length
     if not 1 <= n <= slots:
@@ -63,11 +62,10 @@ def load_windows(path, bin_dtype, n, length, seed):
 
 
 @torch.no_grad()
-def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=False):
+def trace(model, x, y, n_loops, state_init="zero", generator=None):
     """x, y (B, T) -> per loop, each (n_loops, B, T): loss, the score of every exit test in
-    EXIT_TESTS under its name, dstate = ||s_i - s_{i-1}||, argmax, and states = s_i if kept.
-    One pass with a readout after every loop: the loss at every depth and every exit score for
-    the cost of the deepest (plus its readouts)."""
+    EXIT_TESTS under its name, dstate = ||s_i - s_{i-1}|| and argmax: every depth for the cost of
+    the deepest and its readouts."""
     e = model.prelude(x)
     s = model.init_state(e, state_init, generator)
     logits = None
@@ -79,15 +77,13 @@ def trace(model, x, y, n_loops, state_init="zero", generator=None, keep_states=F
         logits = model.readout(s)
         out["loss"].append(token_loss(logits, y))
         for name, test in EXIT_TESTS.items():
-            # loop 1 has no earlier readout to compare with: never settled
+            # before MIN_EXIT_LOOP there is nothing to compare with: never settled
             if loop < MIN_EXIT_LOOP:
                 out[name].append(torch.full_like(y, math.inf, dtype=torch.float))
             else:
                 out[name].append(test.score(s, s_old, logits, previous).float())
         out["dstate"].append(state_change(s, s_old))
         out["argmax"].append(logits.argmax(-1))
-        if keep_states:
-            out["states"].append(s)
     return {key: torch.stack(values) for key, values in out.items()}
 
 
@@ -103,17 +99,15 @@ def trace_windows(model, wins, n_loops, batch_size, keys, state_init="zero", gen
 
 
 def by_loop(traced, loops, meta):
-    """A row per loop count r of loops, from traced (n_loops, n, T) per token: the loss (nats per
-    token; bits per byte, which compare across tokenizers; each window's, the unit a bootstrap
-    resamples) and, from loop 2, the means of KL(p_r || p_{r-1}) and of the state change, and the
-    % of tokens still moving (KL > MOVING_KL). Means over every token, in float64."""
+    """A row per loop count r, from traced (n_loops, n, T): the loss (nats per token, bits per byte,
+    each window's) and from loop 2 the means of KL(p_r || p_{r-1}) and of the state change, and the
+    % of tokens still moving (KL > MOVING_KL); means over every token, in float64."""
     window_losses = traced["loss"].double().mean(2)
     rows = []
     for r in loops:
         loss = window_losses[r - 1].mean().item()
         row = {"loops": r, "loss": loss, "bits_per_byte": bits_per_byte(loss, meta),
                "window_losses": window_losses[r - 1].tolist()}
-        # loop 1 has no earlier loop to compare with
         if r >= 2:
             kl = traced["kl"][r - 1].double()
             row["mean_kl"] = kl.mean().item()
@@ -129,9 +123,8 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
     value = stat(per_window)
     if value is None:
         return {"value": None, "interval": None}
-    # one window resamples to itself: a zero-width interval would read as certainty
     n_windows = next(iter(per_window.values())).shape[-1]
-    if n_windows < 2:
+    if n_windows < MIN_ITEMS_FOR_INTERVAL:
         return {"value": float(value), "interval": None}
     rng = np.random.default_rng(seed)
     values = []
@@ -141,8 +134,8 @@ def paired_bootstrap(stat, per_window, n_resamples, seed):
         resampled = {name: array[..., pick] for name, array in per_window.items()}
         values.append(stat(resampled))
     defined = [v for v in values if v is not None]
-    # Percentiles of a few defined resamples would mislead: no interval unless nearly all are.
-    # They interpolate between resampled values, so a depth's interval may end between depths.
+    # no interval unless nearly all resamples are defined (percentiles of a few would mislead);
+    # they interpolate, so a depth's interval may end between depths
     interval = None
     if len(defined) >= 0.95 * n_resamples:
         interval = np.percentile(defined, [2.5, 97.5]).tolist()
@@ -174,11 +167,8 @@ def convergence_depth(kl, first_loop):
 
 def markdown(headers, rows):
     """A markdown table of headers and rows of cells."""
-    lines = []
-    for row in [headers, ["---"] * len(headers), *rows]:
-        cells = " | ".join(map(str, row))
-        lines.append(f"| {cells} |")
-    return "\n".join(lines)
+    table_rows = [headers, ["---"] * len(headers), *rows]
+    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in table_rows)
 
 
 def table(title, rows, columns):
@@ -200,9 +190,8 @@ def main(argv=()):
     loops_asked = loop_counts(C.loops, mean)
     length = model.config.block_size + 1
     wins = load_windows(f"{data_dir}/val.bin", meta["dtype"], C.windows, length, C.seed)
-    # 2) one pass from training's noise, one generator for all windows (the loss at loop r is
-    # model.forward's at r loops), as deep as the rows and the convergence depth need: the
-    # median convergence depth reads every loop to 2 x mean_loops
+    # 2) one pass from training's noise (the loss at loop r is model.forward's at r loops), as
+    # deep as the rows and the convergence depth (every loop to 2 x mean_loops) need
     generator = torch.Generator(device=C.device).manual_seed(C.seed)
     n_loops = max(*loops_asked, 2 * mean)
     with autocast(C.device, C.dtype):

@@ -7,15 +7,13 @@
 
 Llama-style blocks (RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases); the core's
 blocks add sandwich norms, so that the state neither collapses nor blows up over many loops.
-
-Every loop in the project is built from four verbs: prelude, init_state, core_step, readout.
-Training draws each step's depth r from sample_loops; a token's exit test (EXIT_TESTS) and the
-stop rule (keeps_looping) decide how deep each token runs at inference.
+Every loop in the project is built from four verbs: prelude, init_state, core_step, readout;
+a token's depth from sample_loops in training, and an exit test and keeps_looping at inference.
 """
+import io
 import json
 import math
 import os
-import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, NamedTuple
@@ -26,18 +24,15 @@ import torch.nn.functional as F
 
 from configurator import UserError
 
-# marks the checkpoints train.py writes
-CKPT_FORMAT = "nanoloop-1"
-# logits per chunk of the per-token KL and loss: 512 MB in float32
-LOGITS_CHUNK = 2 ** 27
-# an exit test compares two loops, so no token stops before loop 2
-MIN_EXIT_LOOP = 2
+CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
+LOGITS_CHUNK = 2 ** 27  # logits per chunk of the per-token KL and loss: 512 MB in float32
+MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before loop 2
+MAX_LOOPS = 1024  # the most loops a setting may ask of a token: more is hours a token, a typo
 
 
 @dataclass
 class GPTConfig:
-    """A model's shape and loop distribution; the defaults are the paper's S0 (train.py's: its
-    own)."""
+    """A model's shape and loop distribution; defaults: the paper's S0 (train.py's differ)."""
     vocab_size: int = 49152
     block_size: int = 512
     n_embd: int = 384
@@ -47,7 +42,6 @@ class GPTConfig:
     n_prelude: int = 2
     n_core: int = 4
     n_coda: int = 2
-    # the loop distribution (sample_loops): a training step's depth and the loops it backpropagates
     mean_loops: int = 4
     max_loops: int = 16
     loop_spread: float = 0.5
@@ -58,22 +52,21 @@ class GPTConfig:
     state_std: float = math.sqrt(2 / 5)
 
     def __post_init__(self):
-        """Refuse a shape no model can have (UserError); the sizes' ranges are train.py's RULES."""
+        """UserError for a shape no model can have (the sizes' ranges are train.py's RULES)."""
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise UserError(f"n_head={self.n_head} must divide n_embd={self.n_embd}, "
                             f"and n_kv_head={self.n_kv_head} must divide n_head")
-        head_dim = self.n_embd // self.n_head
         # RoPE rotates pairs of channels
-        if head_dim % 2:
-            raise UserError(f"the head size n_embd / n_head = {head_dim} must be even")
+        if self.n_embd // self.n_head % 2:
+            raise UserError(f"the head size n_embd / n_head = {self.n_embd // self.n_head} "
+                            f"must be even")
         if self.mean_loops > self.max_loops:
             raise UserError(f"mean_loops={self.mean_loops} > max_loops={self.max_loops}")
 
 
 def sample_loops(config, step, seed):
-    """One training step's depth, from (seed, step) alone so that every rank draws the same one.
-    'lognormal': round(exp(N(log mean_loops, loop_spread))) clamped to [1, max_loops], whose
-    median is mean_loops (the paper's); 'fixed': mean_loops."""
+    """One training step's depth, from (seed, step) alone so that every rank draws the same:
+    round(exp(N(log mean_loops, loop_spread))) in [1, max_loops] (the paper's), or 'fixed'."""
     if config.loop_dist == "fixed":
         return config.mean_loops
     generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
@@ -101,31 +94,27 @@ class KVCache:
     it ran (Huginn's rule): later tokens see a token that stopped early as it was then."""
 
     def __init__(self, config, n_layers, batch, device, dtype):
-        head_dim = config.n_embd // config.n_head
-        shape = (batch, config.n_kv_head, config.block_size, head_dim)
-        # A tensor per layer: compiled, a write into a view of one stacked tensor copied it whole.
+        shape = (batch, config.n_kv_head, config.block_size, config.n_embd // config.n_head)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
 
 
 class CacheView(NamedTuple):
-    """Where one call's tokens sit in a KVCache. A prefill: T tokens at positions 0..T-1 (pos None).
-    A decoded token: one per row at pos, a (1,) long tensor, stored in the rows where `active`
-    (B,) bool is True (None: every row)."""
+    """Where one call's tokens go in a KVCache: a prefill's T at positions 0..T-1 (pos None), or a
+    decoded token per row at pos (a (1,) tensor), in the rows where `active` (B,) is True."""
     cache: KVCache
     pos: torch.Tensor | None = None
     active: torch.Tensor | None = None
 
     def write(self, layer, k, v):
-        """Store k, v (B, n_kv_head, T, head_dim) at positions 0..T-1, or (T = 1) at pos."""
+        """Store k, v (B, n_kv_head, T, head_dim) at positions 0..T-1, or (T = 1) at pos; a row
+        that has stopped looping keeps the K/V of the last loop it ran."""
         keys, values = self.cache.k[layer], self.cache.v[layer]
         positions = torch.arange(k.size(2), device=k.device) if self.pos is None else self.pos
-        # A row that has stopped looping keeps the K/V of the last loop it ran.
         if self.active is not None:
             ran = self.active.view(-1, 1, 1, 1)
             k = torch.where(ran, k, keys.index_select(2, positions))
             v = torch.where(ran, v, values.index_select(2, positions))
-        # index_copy_ at a position tensor: one kernel at every step, pos never read on the host
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
 
@@ -138,8 +127,8 @@ def autocast_input(x):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x (..., head_dim) by the tables (T, head_dim / 2), which come in x's dtype:
-    float32 tables would silently promote bf16 q and k (a bug the paper reports)."""
+    """Rotate x (..., head_dim) by tables (T, head_dim / 2) in x's dtype: float32 ones would
+    silently promote bf16 q and k (a bug the paper reports)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -159,18 +148,16 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
         x = autocast_input(x)
-        # q has n_head heads; k and v n_kv_head, each shared by n_head / n_kv_head query heads
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.write(layer, k, v)
-        # a window from position 0 (training, a prefill) attends causally
         if cache is None or cache.pos is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            # one new token per row reads the whole cache, masked after its position
+            # a new token per row reads the whole cache, masked past its position
             k, v = cache.cache.k[layer], cache.cache.v[layer]
             visible = torch.arange(k.size(2), device=k.device) <= cache.pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
@@ -200,7 +187,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.n_embd, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        # The core's sandwich: a norm after each sublayer too, before it is added to the stream.
+        # the core's sandwich: a norm after each sublayer too, before it joins the stream
         self.attn_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
         self.mlp_post = RMSNorm(cfg.n_embd, cfg.norm_eps) if sandwich else nn.Identity()
 
@@ -230,9 +217,8 @@ class Core(Stack):
         self.adapter = nn.Linear(2 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, e, s, cos, sin, cache=None):
-        # The state s stays float32 under autocast (only the matmuls run in bf16): the convergence
-        # tail (KL ~1e-5) is below bf16's resolution. The adapter's output takes e's dtype, so the
-        # blocks see one dtype at every loop (one compiled graph).
+        # The state stays float32 under autocast: the convergence tail (KL ~1e-5) is below bf16's
+        # resolution. The adapter's output takes e's dtype: one dtype (one graph) every loop.
         x = self.adapter(torch.cat([e, s], dim=-1)).to(e.dtype)
         return super().forward(x, cos, sin, cache)
 
@@ -247,32 +233,28 @@ class GPT(nn.Module):
         self.coda_blocks = Stack(c, c.n_coda)
         self.norm = RMSNorm(c.n_embd, c.norm_eps)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        # tied input and output embeddings
-        self.lm_head.weight = self.wte.weight
-        # RoPE: channel pair j of a head turns by position x rope_theta^(-2j / head_dim)
+        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        # RoPE: a head's channel pair j turns by position x rope_theta^(-2j / head_dim)
         head_dim = c.n_embd // c.n_head
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
         angles = torch.outer(torch.arange(c.block_size).float(), inv_freq)
         self.register_buffer("rope_cos", angles.cos(), persistent=False)
         self.register_buffer("rope_sin", angles.sin(), persistent=False)
-        # "Small init" (Nguyen & Salazar), std sqrt(2 / (5 d)). The output projections (wo, w_down)
-        # shrink with the depth unrolled at mean_loops, so that the stream's variance does not grow
-        # with the number of blocks it passes through.
+        # "Small init" (Nguyen & Salazar), std sqrt(2 / (5 d)); the output projections shrink with
+        # the depth unrolled at mean_loops, so that the stream's variance does not grow with it.
         std = math.sqrt(2 / (5 * c.n_embd))
-        depth = c.n_prelude + c.n_coda + c.n_core * c.mean_loops
-        out_std = std / math.sqrt(2 * depth)
+        out_std = std / math.sqrt(2 * (c.n_prelude + c.n_coda + c.n_core * c.mean_loops))
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 is_output = name.endswith(("wo.weight", "w_down.weight"))
                 nn.init.normal_(p, std=out_std if is_output else std)
 
     def rope(self, T, cache=None):
-        """The rotary tables (T, head_dim / 2) from position 0, or at a decoded token's position,
-        cast once to q's dtype."""
+        """The rotary tables (T, head_dim / 2) from position 0 or at cache.pos, in q's dtype."""
         positions = slice(T) if cache is None or cache.pos is None else cache.pos
         return autocast_input(self.rope_cos[positions]), autocast_input(self.rope_sin[positions])
 
-    # ---- the per-loop API: every loop in the project is built from these four
+    # ---- the per-loop API
     def prelude(self, idx, cache=None):
         """Token ids (B, T) -> e (B, T, d), computed once per token."""
         return self.prelude_blocks(self.wte(idx), *self.rope(idx.size(1), cache), cache)
@@ -291,31 +273,29 @@ class GPT(nn.Module):
         return self.core(e, s, *self.rope(s.size(1), cache), cache)
 
     def readout(self, s, cache=None, targets=None):
-        """State (B, T, d) -> logits (B, T, vocab): the coda's blocks, the final norm, the tied
-        head. With targets (B, T), the mean cross-entropy of those logits instead (-1: not scored).
-        Training's loss and inference both come here, so that a change to the readout is one."""
+        """State (B, T, d) -> logits (B, T, vocab): the coda, the norm, the tied head; with targets
+        (B, T), their mean cross-entropy (-1: not scored): training and inference, one readout."""
         normed = self.norm(self.coda_blocks(s, *self.rope(s.size(1), cache), cache))
         if targets is None:
             return self.lm_head(normed)
-        # The loss applies the head a few rows at a time, in float32 under any autocast, so that no
-        # (B, T, vocab) logits are kept for backward (about 12 bytes a logit if they were).
+        # the head a few rows at a time, in float32: no (B, T, vocab) logits kept for backward
         chunks = torch.nn.LinearCrossEntropyOptions()
-        rows = normed.float().flatten(0, 1)
-        return F.linear_cross_entropy(rows, self.lm_head.weight, targets.flatten(),
-                                      ignore_index=-1, options=chunks)
+        return F.linear_cross_entropy(normed.float().flatten(0, 1), self.lm_head.weight,
+                                      targets.flatten(), ignore_index=-1, options=chunks)
 
-    def new_cache(self, n_layers, batch):
-        """An empty KVCache for n_layers blocks, in the dtype attention computes in (the weights',
-        or autocast's)."""
+    def new_caches(self, batch):
+        """{"prelude", "core", "coda"}: an empty KVCache for each stack of blocks, for `batch`
+        sequences, in the dtype attention computes in."""
+        c = self.config
         weight = autocast_input(self.wte.weight[:1])
-        return KVCache(self.config, n_layers, batch, weight.device, weight.dtype)
+        layers = {"prelude": c.n_prelude, "core": c.n_core, "coda": c.n_coda}
+        return {part: KVCache(c, n, batch, weight.device, weight.dtype)
+                for part, n in layers.items()}
 
     def forward(self, idx, targets=None, loops=None, state_init="noise", generator=None):
-        """idx (B, T) -> logits (B, T, vocab) after `loops` loops (None: mean_loops); with targets
-        (B, T), the mean loss instead. Truncated backprop: the first loops - bptt_k loops run
-        without gradients."""
-        if loops is None:
-            loops = self.config.mean_loops
+        """idx (B, T) -> logits (B, T, vocab) after `loops` loops (None: mean_loops), or with
+        targets the mean loss; truncated backprop: loops - bptt_k loops without gradients first."""
+        loops = self.config.mean_loops if loops is None else loops
         e = self.prelude(idx)
         s = self.init_state(e, state_init, generator)
         n_grad = min(loops, self.config.bptt_k)
@@ -334,7 +314,6 @@ class GPT(nn.Module):
             return 2 * sum(p.numel() for p in module.parameters() if p.dim() == 2)
         c = self.config
         attention = 4 * T * c.n_embd
-        # the embedding is a lookup, not a matmul
         prelude = matmuls(self.prelude_blocks) + attention * c.n_prelude
         loop = matmuls(self.core) + attention * c.n_core
         readout = matmuls(self.coda_blocks) + matmuls(self.lm_head) + attention * c.n_coda
@@ -346,15 +325,14 @@ class GPT(nn.Module):
         return 3 * (prelude + readout) + (3 * n_grad + loops - n_grad) * loop
 
     def inference_flops(self, loops, T, exit_test=None):
-        """Forward FLOPs per token of `loops` loops (a number or an array of averages): uniform
-        depth, or with an ExitTest its readouts (KL: one a loop) and tests (from MIN_EXIT_LOOP)."""
+        """Forward FLOPs per token of `loops` loops (a number or an array): uniform, or with an
+        ExitTest its readouts (KL: one a loop) and tests (from MIN_EXIT_LOOP)."""
         prelude, loop, readout = self.flop_terms(T)
         if exit_test is None:
             return prelude + loops * loop + readout
         readouts = loops if exit_test.needs_logits else 1
-        tests = loops - (MIN_EXIT_LOOP - 1)
-        test_flops = exit_test.flops(self.config)
-        return prelude + loops * loop + readouts * readout + tests * test_flops
+        tests = (loops - (MIN_EXIT_LOOP - 1)) * exit_test.flops(self.config)
+        return prelude + loops * loop + readouts * readout + tests
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device):
         """AdamW with weight decay on the matrices only (not the norms' gains), fused on CUDA."""
@@ -368,9 +346,8 @@ class GPT(nn.Module):
 
 # ---- per-token measures, in float32 whatever the autocast, by chunks of LOGITS_CHUNK
 def by_chunks(fn, logits, other):
-    """fn(float32 rows of logits (N, V), rows of other) -> (N,), over logits (..., V) -> (...).
-    other's rows follow logits' rows: targets (N,) or a second set of logits (N, V)."""
-    # A batch's logits need not fit in float32 at once (S1's 8 x 2048 x 49,152 are 3.2 GB).
+    """fn(float32 rows of logits (N, V), rows of other: targets (N,) or logits (N, V)) -> (N,),
+    over logits (..., V) -> (...), LOGITS_CHUNK at a time: S1's 8 x 2048 x 49,152 are 3.2 GB."""
     rows = max(1, LOGITS_CHUNK // logits.size(-1))
     mine = logits.reshape(-1, logits.size(-1)).split(rows)
     theirs = other.reshape(-1, *other.shape[logits.dim() - 1:]).split(rows)
@@ -384,7 +361,7 @@ def token_kl(logits_p, logits_q):
         log_p = F.log_softmax(p, -1)
         log_q = F.log_softmax(q.float(), -1)
         return (log_p.exp() * (log_p - log_q)).sum(-1)
-    # KL >= 0, but rounding can leave a tiny negative where p and q nearly agree
+    # rounding can leave a tiny negative where p and q nearly agree
     return by_chunks(kl, logits_p, logits_q).clamp_min(0.0)
 
 
@@ -401,19 +378,17 @@ def state_change(s_new, s_old, relative=False):
     return delta / s_new.float().norm(dim=-1).clamp_min(1e-12)
 
 
-# ---- exit tests, in one registry. sample.py's --exit, evaluate.trace's scores, allocate.py's
-# policies and the FLOP ledger all read EXIT_TESTS, so a new test is one entry there. After each
-# loop from MIN_EXIT_LOOP, a token stops once its score is below a threshold (keeps_looping).
+# ---- exit tests, in one registry that sample.py, evaluate.trace, allocate.py and the FLOP ledger
+# read: a new test is one entry there. A token stops once its score is below a threshold.
 class ExitTest(NamedTuple):
-    # (s_new, s_old, logits_new, logits_old) -> a score per token; logits are None without a readout
+    """score(s_new, s_old, logits_new, logits_old) -> a score per token (the logits None without a
+    readout); flops(config) -> FLOPs per token of one test; needs_logits: a readout after every
+    loop, carried to the next (the KL exit); threshold: sample.py's unless allocate.py calibrated
+    one; label: its name in the paper (A1, A1s), for tables."""
     score: Callable
-    # config -> FLOPs per token of one test
     flops: Callable
-    # a readout after every loop, carried to the next (the KL exit)
     needs_logits: bool = False
-    # sample.py's, unless allocate.py calibrated one for the checkpoint
     threshold: float = 1e-3
-    # its name in the paper (A1, A1s), a label in allocate.py's tables; its key is its name
     label: str = ""
 
 
@@ -427,9 +402,8 @@ def state_score(s_new, s_old, logits_new, logits_old):
     return state_change(s_new, s_old, relative=True)
 
 
-# The FLOPs of a test: per vocabulary entry for KL, two log-softmaxes (4 each: max, exp, sum,
-# log), an exp, a difference, a product and a sum; per state channel for the state change, a
-# difference and two norms (2 each: a square and a sum).
+# FLOPs per vocabulary entry for KL: two log-softmaxes (4 each), an exp, a difference, a product,
+# a sum; per channel for the state change: a difference and two norms (2 each).
 EXIT_TESTS = {
     "kl": ExitTest(kl_score, lambda config: 12 * config.vocab_size, needs_logits=True,
                    threshold=1e-3, label="A1"),
@@ -439,8 +413,7 @@ EXIT_TESTS = {
 
 class DepthPolicy(NamedTuple):
     """How deep each token runs: r_max loops, or with an exit test until its score is below
-    threshold."""
-    # None: uniform depth, every token runs r_max loops
+    threshold; test None is uniform depth."""
     test: ExitTest | None
     threshold: float
     r_max: int
@@ -451,22 +424,20 @@ def uniform_depth(loops):
 
 
 def keeps_looping(loop, score, depth):
-    """The stop rule, written once (sample.py's decode, exit_depth): after loop number `loop` (a
-    number, or a tensor of each token's), a token whose exit score is `score` loops again if this
-    is True. Never past depth.r_max; with an exit test, always to MIN_EXIT_LOOP (a test compares
-    two loops), then until its score is below the threshold."""
+    """The stop rule, written once: after loop number `loop` (a number, or each token's), does a
+    token whose exit score is `score` (None: none yet) loop again? Never past depth.r_max; with an
+    exit test, always to MIN_EXIT_LOOP (a test compares two loops), then while its score is not
+    below the threshold (a NaN score, never below anything, stops no token)."""
     go_on = loop < depth.r_max
-    if depth.test is None:
+    if depth.test is None or score is None:
         return go_on
-    # A NaN score is never below a threshold: it stops no token.
     settled = score < depth.threshold
     return go_on & ((loop < MIN_EXIT_LOOP) | ~settled)
 
 
 def exit_depth(scores, depth):
-    """A trace's exit scores (n_loops, ...), the score after loop i in row i - 1, -> (...) the loops
-    each token runs under depth (a DepthPolicy, r_max <= n_loops): the loop after which
-    keeps_looping first says stop, as the decoder runs it."""
+    """A trace's exit scores (n_loops, ...), loop i's in row i - 1, -> (...) the loops each token
+    runs under depth (r_max <= n_loops): the loop after which keeps_looping first says stop."""
     if depth.r_max > len(scores):
         raise ValueError(f"r_max {depth.r_max} is deeper than the {len(scores)} loops traced")
     loops_run = torch.zeros(scores.shape[1:], dtype=torch.long, device=scores.device)
@@ -477,7 +448,7 @@ def exit_depth(scores, depth):
     return loops_run
 
 
-# ---- devices and precision: every --device this machine has (each script's RULES refuse others)
+# ---- every --device this machine has (each script's RULES refuse others)
 GPUS = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
 DEVICES = (("cpu", "cuda") + GPUS) if GPUS else ("cpu",)
 
@@ -487,21 +458,21 @@ def autocast(device, dtype):
     return torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=dtype != "float32")
 
 
-def clock(device):
-    """time.perf_counter() once the device has done the work queued (a GPU runs behind the host)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 # ---- files
 def save_atomic(path, obj):
-    """Write whole or not at all (synced, then renamed over path): .pt by torch.save, else JSON."""
+    """The one writer of a result, whole or not at all (synced, renamed over path): bytes as they
+    are, a .pt by torch.save, else JSON."""
+    if isinstance(obj, bytes):
+        data = obj
+    elif path.endswith(".pt"):
+        # through memory: a write the disk refuses is then an OSError, not "unexpected pos"
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+    else:
+        data = json.dumps(obj, indent=2).encode()
     with open(f"{path}.tmp", "wb") as f:
-        if path.endswith(".pt"):
-            torch.save(obj, f)
-        else:
-            f.write(json.dumps(obj, indent=2).encode())
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(f"{path}.tmp", path)
@@ -513,16 +484,14 @@ def checkpoint_id(ckpt):
 
 
 def load_checkpoint(path, device="cpu"):
-    """-> (the GPT train.py saved at path, in eval mode on device; the checkpoint dict); UserError
-    if there is none. Loaded with weights_only, so a pickle never runs code; a corrupt or
-    hand-edited file raises torch's own error."""
+    """-> (the GPT train.py saved at path, in eval mode on device; the checkpoint dict), or
+    UserError. weights_only: a pickle never runs code (a corrupt file raises torch's error)."""
     if not os.path.isfile(path):
         raise UserError(f"no checkpoint at {path} (train one with `python train.py`)")
     ckpt = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CKPT_FORMAT:
         raise UserError(f"{path} is not a nanoloop checkpoint (no format marker {CKPT_FORMAT!r})")
-    # a checkpoint from before the loop distribution joined GPTConfig kept two of its settings
-    # in its config
+    # a checkpoint from before the loop distribution joined GPTConfig kept two of it in config
     config = ckpt["config"]
     older = {key: config[key] for key in ("loop_spread", "loop_dist") if key in config}
     model = GPT(GPTConfig(**(older | ckpt["model_args"])))

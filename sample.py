@@ -3,10 +3,9 @@
     python sample.py --loops 4                            # every token runs 4 loops
     python sample.py --exit kl --start="$(cat p.txt)"     # each new token stops once it settles
 
-The prompt runs --loops loops a token. The sequences of a batch advance in lockstep, a token each
-per step; within a step every loop computes every row, and a row that has stopped keeps what it
-had (masked, not gathered). Past block_size the context keeps its last half, prefilled again.
-The same tokens at a GPU's speed, timed: python -m engine with these settings.
+The sequences of a batch advance in lockstep; within a step every loop computes every row, and a
+row that has stopped keeps what it had (masked, not gathered). Past block_size the context keeps
+its last half, prefilled again. The same tokens at a GPU's speed, timed: python -m engine.
 """
 import sys
 from functools import partial
@@ -17,8 +16,8 @@ import torch.nn.functional as F
 
 from allocate import read_allocation
 from configurator import UserError, configure, run
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, CacheView, DepthPolicy, autocast,
-                   keeps_looping, uniform_depth)
+from model import (DEVICES, EXIT_TESTS, MAX_LOOPS, MIN_EXIT_LOOP, CacheView, DepthPolicy,
+                   autocast, keeps_looping, uniform_depth)
 from prepare import load_tokenizer, open_run
 
 out_dir = "out-shakespeare"  # holds ckpt.pt
@@ -34,8 +33,9 @@ exit_threshold = -1.0  # a token stops once its exit score is below this; -1: al
 r_max = 0  # with an exit, the most loops a token may run; 0: the model's max_loops
 device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu, cuda or cuda:N
 dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype of the matmuls
-RULES = dict(num_samples=(1, inf), max_new_tokens=(1, inf), seed=(0, 2 ** 62),
-             exit_threshold=(-1, inf), dtype=("float32", "bfloat16"), device=DEVICES)
+RULES = dict(num_samples=(1, 2 ** 16), max_new_tokens=(1, 2 ** 24), loops=(0, MAX_LOOPS),
+             r_max=(0, MAX_LOOPS), seed=(0, 2 ** 32 - 1), exit_threshold=(-1, inf),
+             dtype=("float32", "bfloat16"), device=DEVICES)
 
 
 def exit_threshold_for(C, ckpt, r_max):
@@ -58,8 +58,8 @@ def exit_threshold_for(C, ckpt, r_max):
 
 
 def sample_next(logits, temperature, top_k, generators):
-    """logits (B, V) -> next token ids (B,), row i drawn with generators[i], so that a sequence's
-    text does not depend on what else is in its batch."""
+    """logits (B, V) -> next token ids (B,), row i drawn with generators[i]: a sequence's text does
+    not depend on its batch."""
     if temperature < 1e-6:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -71,17 +71,9 @@ def sample_next(logits, temperature, top_k, generators):
     return torch.cat(draws)
 
 
-def new_caches(model, batch):
-    """A KVCache for each of the model's three stacks of blocks, for `batch` sequences."""
-    c = model.config
-    return {"prelude": model.new_cache(c.n_prelude, batch),
-            "core": model.new_cache(c.n_core, batch),
-            "coda": model.new_cache(c.n_coda, batch)}
-
-
 def prefill(model, caches, tokens, loops):
-    """Tokens (B, T) at positions 0..T-1, `loops` loops each from the zero state, their K/V into
-    the caches -> the last token's logits (B, V)."""
+    """Tokens (B, T) at positions 0..T-1, `loops` loops from the zero state, K/V into the caches
+    -> the last token's logits (B, V)."""
     e = model.prelude(tokens, CacheView(caches["prelude"]))
     s = model.init_state(e, "zero")
     for _ in range(loops):
@@ -100,7 +92,7 @@ def decode(model, caches, token, pos, depth):
     looping = torch.ones(B, dtype=torch.bool, device=token.device)
     loops_run = torch.zeros(B, dtype=torch.long, device=token.device)
     test = depth.test
-    # the KL exit's readout after each loop, carried to the next
+    # the KL exit's readout, carried from loop to loop
     logits = None
     for loop in range(1, depth.r_max + 1):
         s_new = model.core_step(e, s, CacheView(caches["core"], at, looping))
@@ -108,11 +100,9 @@ def decode(model, caches, token, pos, depth):
         logits_new = None
         if test is not None and test.needs_logits:
             logits_new = model.readout(s_new, CacheView(caches["coda"], at, looping))
+        # loop 1 has no earlier loop to compare with: no score, no stop
         score = None
-        if test is not None and loop == 1:
-            # loop 1 has no earlier loop to compare with: never settled
-            score = torch.full((B,), inf, device=token.device)
-        elif test is not None:
+        if test is not None and loop > 1:
             score = test.score(s_new, s, logits_new, logits)[:, 0]
         ran = looping[:, None, None]
         s = torch.where(ran, s_new, s)
@@ -121,8 +111,7 @@ def decode(model, caches, token, pos, depth):
         elif logits_new is not None:
             logits = torch.where(ran, logits_new, logits)
         looping = looping & keeps_looping(loop, score, depth)
-        # With an exit the host reads, after every loop, whether a row still loops (python -m
-        # engine never waits for it); uniform depth ends at r_max.
+        # the host waits for this answer after every loop (python -m engine does not)
         if test is not None and not looping.any():
             break
     # without the KL exit, one readout of every row's final state
@@ -133,12 +122,12 @@ def decode(model, caches, token, pos, depth):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, pick, prompt_loops, depth):
-    """Yields, step by step, the next token of every sequence after the prompts (B, T0) and the
-    loops run by the token it was read from, (B,) each. Each prompt token runs prompt_loops
-    loops, each new token `depth` (a DepthPolicy); pick(logits (B, V)) -> (B,) chooses."""
+    """Yields each step's next token of every sequence after the prompts (B, T0) and the loops of
+    the token it was read from, (B,) each: a prompt token runs prompt_loops loops, a new one
+    `depth` (a DepthPolicy); pick(logits (B, V)) -> (B,) chooses."""
     B, T0 = prompts.shape
     block = model.config.block_size
-    caches = new_caches(model, B)
+    caches = model.new_caches(B)
     # 1) prefill: the prompt's last block_size tokens, at positions 0..
     logits = prefill(model, caches, prompts[:, -block:], prompt_loops)
     loops = torch.full((B,), prompt_loops, device=prompts.device)
@@ -167,14 +156,13 @@ def setup(C):
     model, ckpt, data_dir, _ = open_run(C.out_dir, C.device, splits=())
     encode, decode_ids = load_tokenizer(data_dir)
     ids = encode(C.start)
-    # The prompt must survive the round trip: a tokenizer that drops what it cannot encode would
-    # otherwise continue a prompt the user did not write.
+    # a tokenizer that drops what it cannot encode would continue a prompt no one wrote
     if not ids or decode_ids(ids) != C.start:
         raise UserError("--start: the prompt is empty or the tokenizer cannot encode it exactly")
     prompt_loops = C.loops or model.config.mean_loops
     depth = uniform_depth(prompt_loops)
+    # not in RULES: a test registered in model.py is a choice at once
     if C.exit != "none":
-        # not in RULES: a test registered in model.py is a choice at once
         if C.exit not in EXIT_TESTS:
             choices = ", ".join(EXIT_TESTS)
             raise UserError(f"--exit must be none or one of {choices}, got {C.exit!r}")

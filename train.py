@@ -3,11 +3,10 @@
     python prepare.py && python train.py   # the CPU default: Shakespeare, ~11 min on 2 cores
     python train.py config/s0.py           # a config file, then --key=value, override the settings
     torchrun --standalone --nproc_per_node=8 train.py config/s1.py
-    python train.py --init_from=out-shakespeare/ckpt.pt --dataset=mine --out_dir=out-mine
+    python train.py --init_from=out-a/ckpt.pt --dataset=mine --out_dir=out-b  # fine-tune out-a
 
-Each step draws its depth r from the loop distribution (model.sample_loops), the same on every
-rank, and runs r - bptt_k loops without gradients, then bptt_k with them. Writes out_dir/ckpt.pt
-and out_dir/metrics.jsonl."""
+Each step draws its depth r (model.sample_loops), the same on every rank, and runs r - bptt_k
+loops without gradients, then bptt_k with them. Writes out_dir/ckpt.pt and out_dir/metrics.jsonl."""
 import json
 import math
 import os
@@ -19,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import prepare
-from configurator import UserError, configure, run
-from model import (CKPT_FORMAT, DEVICES, GPT, GPTConfig, autocast, load_checkpoint, sample_loops,
-                   save_atomic)
+from configurator import UserError, configure, hold_lock, run
+from model import (CKPT_FORMAT, DEVICES, GPT, MAX_LOOPS, GPTConfig, autocast, load_checkpoint,
+                   sample_loops, save_atomic)
 
 # I/O
 out_dir = "out-shakespeare"  # ckpt.pt and metrics.jsonl are written here
@@ -67,17 +66,16 @@ dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # autocast dtype
 compile = torch.cuda.is_available()  # torch.compile each part
 seed = 1337  # seeds the depths, data order and noise
 
-# The choices, and the bounds that a default's type does not say (a number is otherwise >= 0).
-# At beta 1, AdamW's bias correction divides by zero; seed * 1_000_003 + step must fit 64 bits.
+# the choices, and the bounds a default's type does not say (at beta 1, AdamW divides by zero)
 RULES = {"loop_dist": ("lognormal", "fixed"), "dtype": ("float32", "bfloat16"),
          "device": DEVICES, "beta1": (0, 0.9999), "beta2": (0, 0.9999),
          "warmup_iters": (-1, math.inf), "seed": (0, 2**32 - 1)}
 # n_prelude, n_coda and state_std may be 0
-AT_LEAST_ONE = ["max_iters", "eval_interval", "log_interval", "eval_iters",
-                "gradient_accumulation_steps", "batch_size", "block_size", "n_embd", "n_head",
-                "n_kv_head", "ffn_hidden", "n_core", "mean_loops", "max_loops", "bptt_k"]
-RULES |= dict.fromkeys(AT_LEAST_ONE, (1, math.inf))
-# the settings that are the model's shape and loop distribution (vocab_size: the dataset's)
+RULES |= dict.fromkeys(["max_iters", "eval_interval", "log_interval", "eval_iters",
+                        "gradient_accumulation_steps", "batch_size", "block_size", "n_embd",
+                        "n_head", "n_kv_head", "ffn_hidden", "n_core"], (1, math.inf))
+RULES |= dict.fromkeys(["mean_loops", "max_loops", "bptt_k"], (1, MAX_LOOPS))
+# the model's shape and loop distribution (its vocab_size is the dataset's)
 MODEL_KEYS = [name for name in GPTConfig.__dataclass_fields__ if name in globals()]
 
 
@@ -96,7 +94,7 @@ def get_lr(it, C):
 
 def get_batch(path, meta, shape, generator, device):
     """Random windows of a token file: x and y (batch_size, block_size) = shape, y shifted by
-    one. The file is opened for each batch: a memmap kept open leaks memory."""
+    one (the file opened for each batch: a memmap kept open leaks memory)."""
     data = np.memmap(path, dtype=meta["dtype"], mode="r")
     batch_size, block_size = shape
     if len(data) < block_size + 2:
@@ -104,7 +102,7 @@ def get_batch(path, meta, shape, generator, device):
     starts = torch.randint(len(data) - block_size - 1, (batch_size,), generator=generator)
     windows = [data[i:i + block_size + 1].astype(np.int64) for i in starts.tolist()]
     xy = torch.from_numpy(np.stack(windows))
-    # pinned, the copy to the GPU runs beside its work
+    # pinned: the copy to a GPU runs beside its work
     if "cuda" in device:
         xy = xy.pin_memory()
     xy = xy.to(device, non_blocking=True)
@@ -112,40 +110,36 @@ def get_batch(path, meta, shape, generator, device):
 
 
 def train_step(model, optimizer, batches, loops, generator, C, world=1):
-    """One optimizer step on this rank's micro-batches [(x, y)] at depth `loops`, their initial
-    states drawn with generator, the gradient averaged over them and over `world` ranks. -> (this
-    rank's mean loss, whether it stepped)."""
+    """One optimizer step on this rank's micro-batches [(x, y)] at depth `loops` (initial states
+    drawn with generator), averaged over them and `world` ranks -> (mean loss, stepped or not)."""
     loss_sum = 0.0
-    # Each micro-batch's loss is divided by their number: the gradients add up to the gradient of
-    # the step's mean loss.
+    # each micro-batch's loss over their number: the gradients add up to the step's mean loss's
     for x, y in batches:
         with autocast(x.device.type, C.dtype):
             loss = model(x, y, loops=loops, generator=generator) / len(batches)
         loss.backward()
         loss_sum += loss.detach()
-    # The ranks' gradients are summed, then divided: gloo has no average.
+    # the ranks' gradients summed, then divided: gloo has no average
     if world > 1:
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), C.grad_clip or math.inf)
     finite = torch.isfinite(loss_sum + grad_norm).float()
-    # One rank's overflow skips the step on every rank, or their weights would part.
+    # one rank's overflow skips the step on every rank, or their weights would part
     if world > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     stepped = bool(finite.item())
     if stepped:
         optimizer.step()
-    # to None: a skipped step leaves no gradient behind
     optimizer.zero_grad()
     return float(loss_sum), stepped
 
 
 def check_skips(skipped, it, grace):
-    """UserError once the skipped steps (the last one `it`) say that the run is lost. The paper
-    aborts "if skips exceed 0.1 percent of steps or three consecutive occurrences": here 0.1% of
-    the steps so far, from step `grace` on, so that a burst stops the run when it comes (one skip
-    after the grace aborts until step 999)."""
+    """UserError once the skipped steps (the last one `it`) say the run is lost: the paper aborts
+    "if skips exceed 0.1 percent of steps or three consecutive occurrences", here 0.1% of the steps
+    so far from step `grace` on, so that a burst stops the run when it comes."""
     if skipped[-3:] == [it - 2, it - 1, it]:
         raise UserError(f"iter {it}: 3 consecutive non-finite steps")
     steps_so_far = it + 1
@@ -155,8 +149,7 @@ def check_skips(skipped, it, grace):
 
 @torch.no_grad()
 def estimate_loss(model, data_dir, meta, shape, C, device):
-    """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation
-    (streams of their own, so that a resumed run draws what an uninterrupted one does)."""
+    """{split: mean loss at mean_loops}, on the same batches and noise at every evaluation."""
     losses = {}
     for split in ("train", "val"):
         g_batch = torch.Generator().manual_seed(C.seed + 1)
@@ -183,26 +176,27 @@ def start_processes(C):
     if world > 1 and "cuda" in device:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
-    # rank 0 speaks for all
+    # rank 0 speaks for all; float32 matmuls in TF32, as nanoGPT does
     if rank > 0:
         sys.stdout = open(os.devnull, "w")
-    # float32 matmuls in TF32, as nanoGPT does (a setting of the whole process)
     if "cuda" in device:
         torch.backends.cuda.matmul.allow_tf32 = True
     return rank, world, device
 
 
 def open_checkpoint(C, given, ckpt_path, metrics_path):
-    """The checkpoint a run starts from -> (its model or None, its dict or None, what it fixes of
-    the run's settings). A resumed run keeps its model and dataset; a fine-tuned one (init_from a
-    ckpt.pt) its model. A scratch or fine-tuning run never replaces a checkpoint or a log unasked
-    (a log without a checkpoint is a run that never saved, whose lines are still a user's)."""
+    """The checkpoint a run starts from -> (its model or None, its dict or None, the settings it
+    fixes): a resumed run's model and dataset, a fine-tuned one's model. A new run never replaces
+    a checkpoint or a log unasked."""
     if C.init_from == "scratch":
         model = source = None
         fixed = {}
     elif C.init_from == "resume":
-        # on the CPU: its RNG states stay there, main moves the model
         model, source = load_checkpoint(ckpt_path)
+        # one made from another format (hf/) has no optimizer to go on with
+        if not source.get("optimizer"):
+            raise UserError(f"{ckpt_path} has no optimizer state: fine-tune from it "
+                            f"(--init_from={ckpt_path} --out_dir=NEW), not resume")
         fixed = source["model_args"] | {"dataset": source["config"]["dataset"]}
         if C.max_iters <= source["iter_num"]:
             raise UserError(f"{ckpt_path} is at step {source['iter_num']}: "
@@ -211,10 +205,12 @@ def open_checkpoint(C, given, ckpt_path, metrics_path):
         model, source = load_checkpoint(C.init_from)
         fixed = source["model_args"]
     for path in (ckpt_path, metrics_path):
-        if C.init_from != "resume" and os.path.exists(path) and not C.overwrite_checkpoint:
+        # an empty log is a run's that failed before its first line
+        in_use = os.path.exists(path) and os.path.getsize(path) > 0
+        if C.init_from != "resume" and in_use and not C.overwrite_checkpoint:
             raise UserError(f"{path} exists: --init_from=resume to go on, "
                             f"or --overwrite_checkpoint=True to replace it")
-    # asked for another model or dataset than the checkpoint's: refused, never ignored
+    # another model or dataset than the checkpoint's: refused, never ignored
     for key in sorted(given & fixed.keys()):
         asked = getattr(C, key)
         if asked != fixed[key]:
@@ -223,17 +219,15 @@ def open_checkpoint(C, given, ckpt_path, metrics_path):
 
 
 def restore(ckpt, optimizer):
-    """A resumed run's AdamW moments, with today's hyperparameters (weight decay, betas) as the
-    saved config will say: the saved param_groups are replaced by the new optimizer's."""
+    """A resumed run's AdamW moments, under today's hyperparameters, as its config will say."""
     state = ckpt["optimizer"]
     state["param_groups"] = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict(state)
 
 
 def step_generators(seed, step, rank, device):
-    """-> (the generator of one rank's batches at a step, the generator of its noise): drawn from
-    (seed, step, rank) alone, so that a resumed run draws what an uninterrupted one does and no
-    generator's state is saved."""
+    """-> generators of one rank's batches and noise at a step, from (seed, step, rank) alone: a
+    resumed run draws what an uninterrupted one does, and no generator's state is saved."""
     stream = (seed * 1_000_003 + step) * 1024 + rank
     data = torch.Generator().manual_seed(2 * stream)
     noise = torch.Generator(device).manual_seed(2 * stream + 1)
@@ -243,6 +237,8 @@ def step_generators(seed, step, rank, device):
 def main(argv=()):
     """-> [(iter, loops, loss)] of every step, the skipped ones too."""
     C, given = configure(globals(), argv)
+    if C.learning_rate == 0 and C.min_lr == 0:
+        raise UserError("--learning_rate=0 and --min_lr=0: no step would change the weights")
     # 1) the processes: torchrun's ranks share each step's micro-batches, rank 0 speaks and saves
     rank, world, device = start_processes(C)
     micro_steps = C.gradient_accumulation_steps // world
@@ -251,23 +247,22 @@ def main(argv=()):
     metrics_path = f"{C.out_dir}/metrics.jsonl"
     model, source, fixed = open_checkpoint(C, given, ckpt_path, metrics_path)
     resuming = C.init_from == "resume"
-    # what the run is, saved with each checkpoint
     settings = vars(C) | fixed
-    # out_dir must take our files: found now (an OSError, one line), not at the first save
+    # out_dir must take our files (found now, not at the first save), from one run at a time
     os.makedirs(C.out_dir, exist_ok=True)
-    # A resumed run reads the very dataset it trained on; a fine-tuned model, another one with
-    # the tokenizer it was trained with.
+    if rank == 0:
+        busy = f"another train.py is writing {C.out_dir} now: wait, or use another --out_dir"
+        lock = hold_lock(f"{C.out_dir}/.lock", busy)
+    # a resumed run reads its very dataset; a fine-tuned model, another with its tokenizer
     same = None if resuming else ("vocab_size", "tokenizer_sha256")
     source_path = ckpt_path if resuming else C.init_from
     data_dir, meta = prepare.open_dataset(settings["dataset"], source, source_path, same=same)
-    # 3) the model and its optimizer
+    # 3) the model (from scratch: the seed's, rank 0's for every rank) and its optimizer
     if model is None:
         shape = {key: getattr(C, key) for key in MODEL_KEYS}
-        # the initial weights are the seed's (rank 0's, which every rank takes below)
         torch.manual_seed(C.seed)
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **shape))
     config = model.config
-    # a loaded model comes in eval mode
     model.to(device).train()
     # each part compiled on its own: a new depth never recompiles
     if C.compile:
@@ -276,31 +271,26 @@ def main(argv=()):
             part.compile()
     optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2),
                                            device)
-    # every rank starts from rank 0's weights (each drew its own)
+    # every rank starts from rank 0's weights; past the barrier all passed the checks above
     if world > 1:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
-        # every rank has passed the checks above: rank 0 may now create the log
         dist.barrier()
-    # 4) the log (JSON lines, rank 0's; a resumed run appends)
+    # 4) the log (rank 0's; a resumed run appends) and the run's name in its checkpoints, new at
+    # every start: two copies resumed from one checkpoint are two runs
     metrics = open(metrics_path if rank == 0 else os.devnull, "a" if resuming else "w", buffering=1)
     start = 0
-    # names the run in its checkpoints, and in what is computed from them
-    run_id = os.urandom(8).hex()
     if resuming:
         restore(source, optimizer)
         start = source["iter_num"]
-        run_id = source["config"].get("run_id", run_id)
-    settings |= {"dataset_meta": meta, "run_id": run_id}
+    settings |= {"dataset_meta": meta, "run_id": os.urandom(8).hex()}
     shape = (C.batch_size, config.block_size)
     # 5) train, evaluating every eval_interval steps and at the end
     history = []
     skipped = []
-    # beyond start: a resumed run that would train nothing was refused
     end = C.max_iters
     for it in range(start, end + 1):
-        # evaluate; save if the val loss is finite (every weight feeds it, so a non-finite
-        # weight makes it so)
+        # evaluate; save if the val loss, which every weight feeds, is finite
         if it % C.eval_interval == 0 or it == end:
             losses = estimate_loss(model, data_dir, meta, shape, C, device)
             val = losses["val"]
@@ -310,7 +300,6 @@ def main(argv=()):
             figures = {"iter": it, "train_loss": losses["train"], "val_loss": val,
                        "val_bits_per_byte": bits}
             print(json.dumps(figures), file=metrics)
-            # at the start there is nothing new to save (the checkpoint resumed, or no training)
             if not math.isfinite(val):
                 print(f"step {it}: non-finite val loss or weights, not saved")
             elif it > start and rank == 0:
@@ -327,8 +316,8 @@ def main(argv=()):
             group["lr"] = lr
         loops = sample_loops(config, it, C.seed)
         g_data, g_noise = step_generators(C.seed, it, rank, device)
-        train_bin = f"{data_dir}/train.bin"
-        batches = [get_batch(train_bin, meta, shape, g_data, device) for _ in range(micro_steps)]
+        path = f"{data_dir}/train.bin"
+        batches = [get_batch(path, meta, shape, g_data, device) for _ in range(micro_steps)]
         loss, stepped = train_step(model, optimizer, batches, loops, g_noise, C, world)
         history.append((it, loops, loss))
         # bf16 overflows now and then: skip such a step, but not too often
@@ -338,9 +327,7 @@ def main(argv=()):
             check_skips(skipped, it, C.guard_grace_iters)
         if it % C.log_interval == 0:
             dt = time.perf_counter() - t0
-            # This rank's FLOP/s: 3x the forward in a loop with gradients, 1x in one without (the
-            # same count for config/study_dense.py's dense twin: the runs' ratio is the parity
-            # studies/laptop.py reports).
+            # this rank's FLOP/s (3x the forward where gradients flow), as for config/study_dense.py
             tokens = micro_steps * math.prod(shape)
             n_grad = min(loops, config.bptt_k)
             flops = model.flops_per_token(loops, n_grad, config.block_size) * tokens
@@ -350,6 +337,8 @@ def main(argv=()):
                   f"{flops / dt:.3g} FLOP/s")
             print(json.dumps(figures), file=metrics)
     metrics.close()
+    if rank == 0:
+        lock.close()
     # together: a rank that left early aborted gloo
     if world > 1:
         dist.barrier()

@@ -1,5 +1,5 @@
 # S0 (the paper's toy scale): 12.9M unique non-embedding / 31.8M total parameters,
-# TinyStories, ~0.4B tokens, mean 4 loops. First: python prepare.py --source=tinystories
+# TinyStories, ~0.4B tokens, mean 4 loops. First: python -m corpora --source=tinystories
 # Tokens per step are our choice (the paper gives S1's only): 32 x 4 x 512 = 65,536,
 # so 6,104 steps = 0.4B tokens. On 8 GPUs gradient_accumulation_steps is split across ranks.
 # A micro-step takes about 10.3 GB under bf16 (activations 8.7; predicted on fake tensors, 2026-11-24): fits 24 GB.

@@ -1,6 +1,6 @@
 # S1 (the paper's main scale): 29.0M unique non-embedding / 57.3M total parameters, a
 # SmolLM2-135M shape with the middle layers replaced by a weight-tied core, FineWeb-Edu,
-# 12.9B tokens, mean 8 loops. First: python prepare.py --source=fineweb-edu --max_tokens=13000000000
+# 12.9B tokens, mean 8 loops. First: python -m corpora --source=fineweb-edu --max_tokens=13000000000
 # 262,144-token optimizer steps as in the paper (4 x 32 x 2048); 49,210 steps = 12.9B tokens.
 # Micro-batches of 4 sequences fit the paper's 24 GB card: a micro-step takes about 14.0 GB
 # under bf16 (activations 12.0, weights + grads + AdamW 0.9, one loss chunk's logits 1.1; predicted

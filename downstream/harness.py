@@ -33,7 +33,8 @@ from tqdm import tqdm
 from allocate import log_grid
 from configurator import UserError, configure
 from evaluate import loop_counts, markdown, paired_bootstrap, show, trace
-from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, checkpoint_id, clock, exit_depth,
+from engine import clock
+from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, checkpoint_id, exit_depth,
                    save_atomic, uniform_depth)
 from prepare import load_tokenizer, open_run
 

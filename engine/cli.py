@@ -18,7 +18,8 @@ from torch._dynamo.utils import counters, guard_failures
 import sample
 from configurator import configure
 from engine.decoder import generate
-from model import autocast, clock, save_atomic
+from engine import clock
+from model import autocast, save_atomic
 
 report = ""  # a JSON file for the measurements (the studies read it); "": none
 compile = torch.cuda.is_available()  # each decode step's part one compiled graph (CUDA: a CUDA graph)

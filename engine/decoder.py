@@ -11,7 +11,7 @@ reads "no row is looping" a loop late (LOOPS_AHEAD), so the GPU never waits for 
 import torch
 
 from model import MIN_EXIT_LOOP, CacheView, DepthPolicy, keeps_looping
-from sample import new_caches, prefill
+from sample import prefill
 
 
 class Decoder:
@@ -27,7 +27,7 @@ class Decoder:
         threshold = torch.full((), depth.threshold, device=device)
         r_max = torch.full((), depth.r_max, device=device)
         self.depth = DepthPolicy(depth.test, threshold, r_max)
-        self.caches = new_caches(model, batch)
+        self.caches = model.new_caches(batch)
         # the weights' dtype, or autocast's: the state's (float32 under bf16 autocast)
         state_dtype = model.wte.weight.dtype
         self.pos = torch.zeros(1, dtype=torch.long, device=device)

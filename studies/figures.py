@@ -24,6 +24,7 @@ import numpy as np
 
 from configurator import UserError, configure, run
 from evaluate import MOVING_KL
+from studies.outputs import check_source, save_figure
 
 out_dir = "out-shakespeare"  # reads eval.json, allocate.json and token_classes.json, those there
 figures_dir = "figures"  # writes <run>_<figure>.png here
@@ -61,6 +62,10 @@ def read_inputs(out_dir):
     if len(set(checkpoints.values())) > 1:
         of_which = ", ".join(f"{name} of {checkpoint}" for name, checkpoint in checkpoints.items())
         raise UserError(f"{out_dir} holds files of different checkpoints ({of_which}): run them again")
+    # token classes are read at allocate.json's threshold: the one there, not an earlier run's
+    if found["token_classes.json"] is not None and found["allocate.json"] is not None:
+        check_source(found["token_classes.json"], os.path.join(out_dir, "token_classes.json"),
+                     os.path.join(out_dir, "allocate.json"), "allocate_sha256")
     return found
 
 
@@ -215,9 +220,10 @@ def main(argv=()):
     os.makedirs(C.figures_dir, exist_ok=True)
     paths = []
     for name, fig in figures.items():
-        fig.suptitle(f"{run_name} ({checkpoint})", fontsize=9, x=0.99, ha="right")
+        # a name is no formula: matplotlib would read "$x^$" as one
+        fig.suptitle(f"{run_name} ({checkpoint})", fontsize=9, x=0.99, ha="right", parse_math=False)
         path = os.path.join(C.figures_dir, f"{run_name}_{name}.png")
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path)
         plt.close(fig)  # pyplot holds every figure it made until closed
         print(f"wrote {path}")
         paths.append(path)

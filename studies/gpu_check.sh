@@ -14,7 +14,7 @@
 # On a torch older than the pinned 2.13, studies/older_torch/ supplies 2.13's F.linear_cross_entropy (a line says so).
 #
 # The dataset: any data/NAME prepared with the SmolLM2 tokenizer, for example
-#   python prepare.py --source=input.txt --tokenizer=smollm2 --name=shakespeare_smollm2   # any text file
+#   python -m corpora --source=input.txt --tokenizer=smollm2 --name=shakespeare_smollm2   # any text file
 #   python prepare.py --source=input.txt --tokenizer=PATH/tokenizer.json --name=...   # offline: a copy of SmolLM2's
 # Everything it writes goes to a temporary directory (removed at the end; GPU_CHECK_KEEP=1 keeps it):
 # checkpoints, logs, the compilers' caches, pytest's files. data/ is only read.

@@ -16,7 +16,6 @@ import torch
 
 import allocate
 from configurator import configure, run
-from evaluate import trace
 from model import EXIT_TESTS, ExitTest, autocast, checkpoint_id, save_atomic
 from prepare import open_run
 
@@ -54,14 +53,22 @@ def probe_exit_test(probe):
 
 
 def trace_windows_with(model, windows, r_max, batch_size, read_states):
-    """Windows (n, T + 1) traced from a zero state, batch by batch -> (argmax (r_max, n, T),
-    read_states(states (r_max, B, T, d)) of each batch joined along the windows)."""
+    """Windows (n, T + 1) traced from a zero state, batch by batch, with the model's four verbs ->
+    (argmax (r_max, n, T), read_states(states (r_max, B, T, d)) of each batch joined along the
+    windows)."""
     argmax = []
     read = []
-    for batch in windows.split(batch_size):
-        traced = trace(model, batch[:, :-1], batch[:, 1:], r_max, keep_states=True)
-        argmax.append(traced["argmax"].cpu())
-        read.append(read_states(traced["states"]).cpu())
+    with torch.no_grad():
+        for batch in windows.split(batch_size):
+            e = model.prelude(batch[:, :-1])
+            s = model.init_state(e, "zero")
+            states = []
+            for _ in range(r_max):
+                s = model.core_step(e, s)
+                states.append(s)
+            states = torch.stack(states)
+            argmax.append(torch.stack([model.readout(s).argmax(-1) for s in states]).cpu())
+            read.append(read_states(states).cpu())
     return torch.cat(argmax, 1), torch.cat(read, 1)
 
 

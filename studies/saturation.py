@@ -16,6 +16,7 @@ import numpy as np
 from configurator import UserError, configure, run
 from evaluate import paired_bootstrap, show
 from model import save_atomic
+from prepare import sha256_of
 
 out_dir = "out-shakespeare"  # reads eval.json, writes saturation.json
 SATURATION_TOL = 0.002  # nats: the smallest loss gap the paper reports as an effect
@@ -57,7 +58,8 @@ def main(argv=()):
     swept = [row["loops"] for row in rows]
     mean = evaluated["mean_loops"]
     result = saturation([row["window_losses"] for row in rows], swept, mean)
-    result |= {"checkpoint": evaluated["checkpoint"], "mean_loops": mean, "swept": swept, "tolerance": SATURATION_TOL}
+    result |= {"checkpoint": evaluated["checkpoint"], "mean_loops": mean, "swept": swept, "tolerance": SATURATION_TOL,
+               "eval_sha256": sha256_of(path)}
     print(f"saturation depth {show(result['depth'], 'g')} (95% interval): the first swept r within {SATURATION_TOL} "
           f"nats of the best r <= {4 * mean}; useful range {show(result['useful_range'], '.4f')} nats, gained from r=1")
     save_atomic(os.path.join(C.out_dir, "saturation.json"), result)

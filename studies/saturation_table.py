@@ -18,6 +18,7 @@ from configurator import UserError, configure, run
 from evaluate import markdown, show
 from model import checkpoint_id, load_checkpoint, sample_loops
 from studies.figures import log2_axis, pyplot
+from studies.outputs import check_source, save_figure
 
 runs = "out-shakespeare"  # the runs' out_dirs, comma-separated (each: ckpt.pt, eval.json, saturation.json)
 figure = "figures/saturation.png"  # the runs' validation loss against loops
@@ -54,6 +55,9 @@ def read_run(out_dir):
             found[name] = json.load(f)
         if found[name]["checkpoint"] != checkpoint_id(ckpt):
             raise UserError(f"{path} is of {found[name]['checkpoint']}, not of ckpt.pt ({checkpoint_id(ckpt)})")
+    # evaluated again since: its depths and losses are not the ones the saturation depth was read off
+    check_source(found["saturation.json"], os.path.join(out_dir, "saturation.json"),
+                 os.path.join(out_dir, "eval.json"), "eval_sha256")
     return model, ckpt, found["eval.json"], found["saturation.json"]
 
 
@@ -103,7 +107,7 @@ def main(argv=()):
         print(f"{err}: {C.figure} not drawn", file=sys.stderr)
         return rows
     fig = draw_curves(plt, curves)
-    fig.savefig(C.figure, dpi=120)
+    save_figure(fig, C.figure)
     plt.close(fig)
     print(f"wrote {C.figure}")
     return rows

@@ -12,7 +12,8 @@ import torch
 
 from configurator import configure, run
 from evaluate import load_windows, loop_counts, table
-from model import DEVICES, autocast, checkpoint_id, clock, save_atomic
+from engine import clock
+from model import DEVICES, autocast, checkpoint_id, save_atomic
 from prepare import open_run
 
 out_dir = "out-shakespeare"  # reads ckpt.pt, writes timing.json

@@ -18,7 +18,7 @@ from allocate import allocation_windows, read_allocation
 from configurator import configure, run
 from evaluate import table, trace_windows
 from model import DEVICES, EXIT_TESTS, DepthPolicy, autocast, checkpoint_id, exit_depth, save_atomic
-from prepare import load_tokenizer, open_run
+from prepare import load_tokenizer, open_run, sha256_of
 
 out_dir = "out-shakespeare"  # reads ckpt.pt and allocate.json, writes token_classes.json
 batch_size = 8  # windows per forward
@@ -73,6 +73,7 @@ def main(argv=()):
     table(f"A1's exit depth by class of the exiting token, at its threshold {result['threshold']:.3g}",
           result["rows"], "class:s count:d mean_exit_depth:.2f")
     result["checkpoint"] = checkpoint_id(ckpt)
+    result["allocate_sha256"] = sha256_of(os.path.join(C.out_dir, "allocate.json"))
     save_atomic(os.path.join(C.out_dir, "token_classes.json"), result)
     return result
 

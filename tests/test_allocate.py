@@ -146,6 +146,13 @@ def test_undefined_statistics_have_no_interval():
     assert paired_bootstrap(lambda pw: None, per_window, 100, 0) == {"value": None, "interval": None}
 
 
+def test_a_model_whose_output_never_changes_gets_a_grid_not_an_error():
+    """Every exit score 0 (a model trained on one repeated byte): any threshold stops every token at its
+    first test, and the grid says so instead of raising on an empty set of positive scores."""
+    scores = torch.cat([torch.full((1, 2, 3), float("inf")), torch.zeros(3, 2, 3)])
+    assert allocate.log_grid(scores, 4) == [1.0] * 4
+
+
 def test_policies_are_read_off_a_hand_made_trace(trained):
     """Two windows of two tokens, r_max 4. A token stops after the first loop from 2 whose score is below
     the threshold (else at r_max) and scores the loss it had after that loop."""
@@ -397,6 +404,8 @@ def test_a_dataset_prepared_again_is_refused_before_the_work(trained, tmp_path, 
     (tmp_path / "out").mkdir()
     os.link(trained[0] / "out" / "ckpt.pt", tmp_path / "out" / "ckpt.pt")
     meta = json.loads((tmp_path / "data" / "tiny" / "meta.json").read_text())
+    val = tmp_path / "data" / "tiny" / "val.bin"
+    np.concatenate([np.fromfile(val, dtype=np.uint16)] * 2).tofile(val)  # a val split twice as long
     (tmp_path / "data" / "tiny" / "meta.json").write_text(json.dumps(meta | {"val_tokens": meta["val_tokens"] * 2}))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(allocate, "trace_windows", lambda *a, **k: pytest.fail("traced before the check"))

@@ -201,6 +201,16 @@ def test_main_writes_a_row_per_policy_with_its_loops_flops_and_paired_difference
         assert low <= versus["value"] <= high
 
 
+def test_two_items_give_no_interval(harness, trained, indir, task_folders, capsys):
+    """--limit=2: too few items for a 95% interval to mean anything (evaluate.MIN_ITEMS_FOR_INTERVAL)."""
+    write_local_task(indir / "tasks", "tiny_mc", ITEMS * 3)
+    res = harness.main([*FAST, "--tasks=tiny_mc", "--include_path=tasks", "--limit=2"])
+    differences = [row[key] for row in res["rows"] for key in ("versus_r1", "versus_uniform") if key in row]
+    assert differences and all(difference["interval"] is None for difference in differences)
+    table_rows = capsys.readouterr().out.split("| --- |")[-1]
+    assert "[" not in table_rows and "+0.0000" in table_rows
+
+
 def test_a_local_tasks_accuracy_is_the_one_computed_by_hand(harness, trained, indir, task_folders):
     write_local_task(indir / "tasks", "tiny_mc", ITEMS)
     task = harness.load_tasks("tiny_mc", "tasks")["tiny_mc"]
@@ -338,7 +348,8 @@ def write_verse_dataset(root):
     folder = root / "data" / "verse"
     folder.mkdir(parents=True)
     np.array(ids, dtype=np.uint16).tofile(folder / "val.bin")
-    (folder / "meta.json").write_text(json.dumps({"vocab_size": 256, "eot_id": 0, "dtype": "uint16"}))
+    meta = {"vocab_size": 256, "eot_id": 0, "dtype": "uint16", "val_tokens": len(ids)}
+    (folder / "meta.json").write_text(json.dumps(meta))
     byte_tokenizer().save(str(folder / "tokenizer.json"))
     return works
 

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import model as model_lib
+import engine
 from engine import cli, decoder
 from model import EXIT_TESTS, DepthPolicy, uniform_depth
 from test_sample import (GREEDY, MAX_LOOPS, SEP, assert_each_slot_holds_its_last_loop, core_writes_of,
@@ -238,6 +239,14 @@ def test_tokens_per_second_count_the_decode_steps_after_a_warm_up(tiny, capsys, 
     assert "13.5 tokens/s (54 timed)" in err  # 2 x (30 - 3) tokens in 4 s
     mean, deepest = map(float, re.search(r"([\d.]+) loops \(a step's deepest ([\d.]+)\)", err).groups())
     assert 1 <= mean < deepest <= MAX_LOOPS
+
+
+def test_the_clock_waits_for_a_gpu_and_not_for_the_cpu(monkeypatch):
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronized.append)
+    engine.clock("cpu")
+    engine.clock("cuda:1")
+    assert synchronized == ["cuda:1"]
 
 
 needs_cuda = pytest.mark.cuda  # skipped without a GPU; with one, the scripts keep their CUDA defaults (conftest.py)

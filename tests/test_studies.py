@@ -55,7 +55,7 @@ def test_saturation_on_hand_made_curves():
     that cancels over the windows, so resamples move the curve)."""
     swept, mean = [1, 2, 3, 4, 6, 8, 12, 16, 32], 4
     curve = [4.0, 3.5, 3.3, 3.2004, 3.2, 3.199, 3.1985, 3.25, 3.0]  # r=32 is past 4 x mean: never the best
-    offsets = np.array([-0.01, 0.01, -0.02, 0.02])
+    offsets = np.tile([-0.01, 0.01, -0.02, 0.02], 3)  # twelve windows: enough for an interval
     losses = np.array(curve)[:, None] + offsets  # (depths, windows)
     at = {r: i for i, r in enumerate(swept)}
     result = saturation.saturation(losses, swept, mean)
@@ -65,7 +65,7 @@ def test_saturation_on_hand_made_curves():
     losses[at[4]] += 0.0011  # r=4 now 0.003 above the best: r=6 (0.0015) is the first within it
     assert saturation.saturation(losses, swept, mean)["depth"]["value"] == 6
     losses[at[4]] -= 0.0012  # r=4 0.0018 above the best on average, but window by window 0.0048 above or 0.0012
-    losses[at[4]] += np.array([0.003, -0.003, 0.003, -0.003])  # below: resamples put it on either side
+    losses[at[4]] += np.tile([0.003, -0.003, 0.003, -0.003], 3)  # below: resamples put it on either side
     result = saturation.saturation(losses, swept, mean)
     assert result["depth"]["value"] == 4 and result["depth"]["interval"] == [4.0, 6.0]
     losses[at[16]] -= 0.1  # r=16 = 4 x mean is the best now, far ahead of the others
@@ -73,7 +73,7 @@ def test_saturation_on_hand_made_curves():
 
 
 def test_saturation_of_a_checkpoint_from_its_eval_json(indir, capsys):
-    evaluated = evaluate.main(FAST)
+    evaluated = evaluate.main(FAST + ["--windows=10"])  # the fewest that give an interval
     capsys.readouterr()
     result = saturation.main(["--out_dir=out"])
     assert json.loads((indir / "out" / "saturation.json").read_text()) == json.loads(json.dumps(result))
@@ -86,8 +86,8 @@ def test_saturation_of_a_checkpoint_from_its_eval_json(indir, capsys):
     assert capsys.readouterr().out.startswith(f"saturation depth {depth:g} [")
 
 
-def test_one_window_gives_no_interval(indir, capsys):
-    evaluate.main(FAST + ["--windows=1"])
+def test_fewer_windows_than_an_interval_needs_give_none(indir, capsys):
+    evaluate.main(FAST + ["--windows=2"])
     capsys.readouterr()
     result = saturation.main(["--out_dir=out"])
     assert result["depth"]["interval"] is None and "[" not in capsys.readouterr().out
@@ -231,6 +231,15 @@ def test_saturation_table_without_matplotlib_prints_the_table_and_one_line(indir
     captured = capsys.readouterr()
     assert "| out-a |" in captured.out and not figure.exists()
     assert captured.err.count("\n") == 1 and "pip install -r studies/requirements.txt" in captured.err
+
+
+def test_saturation_table_refuses_a_saturation_json_of_an_earlier_eval_json(indir, capsys):
+    """evaluate.py run again after studies.saturation (other windows, other depths): the saturation depth
+    is not this eval.json's, refused in one line rather than combined (or a KeyError on a depth gone)."""
+    measured_copy("out-a", 6)
+    evaluate.main(["--out_dir=out-a", "--windows=3", "--batch_size=4", "--loops=1,2"])
+    assert "was computed from another out-a/eval.json" in one_line_error(capsys, saturation_table.main,
+                                                                          ["--runs=out-a"])
 
 
 def test_saturation_table_refuses_a_run_not_measured(indir, capsys):

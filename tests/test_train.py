@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 
 import configurator
@@ -429,7 +431,7 @@ def test_a_scratch_run_keeps_an_earlier_runs_log(tiny_data, capsys):
 
 
 def test_a_run_that_would_train_nothing_says_so(tiny_data, capsys):
-    assert "--max_iters must be a finite number in [1, inf], got 0" in refusal(
+    assert "--max_iters must be a finite number in [1, 281474976710656], got 0" in refusal(
         capsys, train.main, TINY + ["--max_iters=0", "--out_dir=o"])
     assert not Path("o").exists()
     train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
@@ -443,6 +445,10 @@ def test_a_run_that_would_train_nothing_says_so(tiny_data, capsys):
 def test_resuming_on_a_dataset_prepared_again_is_refused(tiny_data, capsys):
     train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
     meta = json.loads(Path("data/tiny/meta.json").read_text())
+    # prepared again with another split: the same stream, cut elsewhere
+    stream = np.concatenate([np.fromfile(f"data/tiny/{split}.bin", dtype=np.uint16) for split in ("train", "val")])
+    stream[:21000].tofile("data/tiny/train.bin")
+    stream[21000:].tofile("data/tiny/val.bin")
     Path("data/tiny/meta.json").write_text(json.dumps(meta | {"val_tokens": 1000, "train_tokens": 21000}))
     err = refusal(capsys, train.main, TINY + ["--out_dir=o", "--init_from=resume", "--max_iters=4"])
     assert "data/tiny is not the dataset o/ckpt.pt was trained on" in err and "val_tokens 1000 (was 2000)" in err
@@ -523,7 +529,7 @@ def test_a_steps_batches_and_noise_depend_on_the_seed_step_and_rank_alone():
     (["--n_embd=30", "--n_head=4"], "n_head=4 must divide n_embd=30"),
     (["--n_head=4", "--n_kv_head=3"], "n_kv_head=3 must divide n_head"),
     (["--n_embd=24", "--n_head=8"], "head size n_embd / n_head = 3 must be even"),
-    (["--n_core=0"], "--n_core must be a finite number in [1, inf], got 0"),
+    (["--n_core=0"], "--n_core must be a finite number in [1, 281474976710656], got 0"),
     (["--block_size=30000"], "fewer than block_size + 2"),
 ])
 def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
@@ -534,11 +540,11 @@ def test_bad_inputs_are_one_line(tiny_data, capsys, flags, message):
     (["--beta1=2"], "--beta1 must be a finite number in [0, 0.9999], got 2.0"),
     (["--beta2=1"], "--beta2 must be a finite number in [0, 0.9999], got 1.0"),
     (["--seed=4294967296"], "--seed must be a finite number in [0, 4294967295]"),
-    (["--warmup_iters=-2"], "--warmup_iters must be a finite number in [-1, inf], got -2"),
+    (["--warmup_iters=-2"], "--warmup_iters must be a finite number in [-1, 281474976710656], got -2"),
     (["--batch_size=True"], "--batch_size: expected int, got True"),
     (["--max_iters=True"], "--max_iters: expected int, got True"),
     (["--out_dir="], "--out_dir must not be empty"),
-    (["--n_core=-1"], "--n_core must be a finite number in [1, inf], got -1"),
+    (["--n_core=-1"], "--n_core must be a finite number in [1, 281474976710656], got -1"),
     (["--learning_rate=inf"], "--learning_rate: cannot parse 'inf'"),
     (["--init_from=  "], "no checkpoint at   "),  # whitespace is a value: a path to no checkpoint
     (["--out_dir", "--max_iters=1"], "--out_dir: expected str, got True"),  # a bare flag is no text
@@ -551,12 +557,12 @@ def test_bad_values_are_one_line_before_anything_is_written(tiny_data, capsys, f
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("eval_iters", "0", "--eval_iters must be a finite number in [1, inf], got 0"),
-    ("eval_interval", "-1", "--eval_interval must be a finite number in [1, inf], got -1"),
-    ("log_interval", "0", "--log_interval must be a finite number in [1, inf], got 0"),
-    ("batch_size", "0", "--batch_size must be a finite number in [1, inf], got 0"),
-    ("gradient_accumulation_steps", "0", "--gradient_accumulation_steps must be a finite number in [1, inf]"),
-    ("learning_rate", "-1", "--learning_rate must be a finite number in [0, inf], got -1.0"),
+    ("eval_iters", "0", "--eval_iters must be a finite number in [1, 281474976710656], got 0"),
+    ("eval_interval", "-1", "--eval_interval must be a finite number in [1, 281474976710656], got -1"),
+    ("log_interval", "0", "--log_interval must be a finite number in [1, 281474976710656], got 0"),
+    ("batch_size", "0", "--batch_size must be a finite number in [1, 281474976710656], got 0"),
+    ("gradient_accumulation_steps", "0", "--gradient_accumulation_steps must be a finite number in [1, "),
+    ("learning_rate", "-1", "--learning_rate must be a finite number in [0, 3e+38], got -1.0"),
 ])
 def test_non_positive_counts_are_refused(tiny_data, capsys, key, value, message):
     assert message in refusal(capsys, train.main, TINY + [f"--{key}={value}", "--out_dir=o"])
@@ -584,6 +590,7 @@ def run_or_refuse(capsys, argv):
 @pytest.mark.parametrize("key", NUMERIC)
 def test_every_numeric_setting_takes_any_value_without_a_traceback(tiny_data, capsys, key):
     low, high = train.RULES.get(key, (0, math.inf))
+    high = min(high, configurator.LIMITS[type(cfg([])[key])])  # no setting is larger
     for i, value in enumerate(["0", "-1", "1e999", "nan", "True"]):
         argv = TINY + ["--max_iters=1", "--eval_interval=1", "--eval_iters=1", f"--out_dir=o{i}", f"--{key}={value}"]
         outcome, err = run_or_refuse(capsys, argv)
@@ -599,8 +606,9 @@ BOUNDED = [key for key, rule in train.RULES.items() if not isinstance(rule[0], s
 @pytest.mark.parametrize("key", BOUNDED)
 def test_the_largest_value_of_a_bounded_setting_runs(tiny_data, capsys, key):
     high = train.RULES[key][1]
+    deepest = [f"--max_loops={high}"] if key == "mean_loops" else []  # the mean is at most the max
     outcome, err = run_or_refuse(capsys, TINY + ["--max_iters=1", "--eval_interval=1", "--eval_iters=1",
-                                                 "--out_dir=o", f"--{key}={high!r}"])
+                                                 "--out_dir=o", f"--{key}={high!r}", *deepest])
     assert outcome == "ran", err
 
 
@@ -825,3 +833,129 @@ def test_on_cuda_a_compiled_bf16_run_trains_and_saves(tiny_data, capsys, fresh_c
     assert (settings["device"], settings["dtype"], settings["compile"]) == ("cuda", "bfloat16", True)
     assert ckpt["iter_num"] == 2 and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(r["flops_per_s"] > 0 for r in metrics("c") if "loss" in r)
+
+
+# ----------------------------------------------------------------------------- fine-tuning: init_from a ckpt.pt
+def second_dataset(name, tokenizer_sha256="same", vocab_size=14):
+    """data/<name>: another token stream, prepared with the tokenizer tokenizer_sha256."""
+    os.makedirs(f"data/{name}")
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 5000), ("val", 1000)):
+        (rng.integers(0, 7, n) * 2 % vocab_size).astype(np.uint16).tofile(f"data/{name}/{split}.bin")
+    meta = dict(source="other", tokenizer="none", vocab_size=vocab_size, eot_id=0, dtype="uint16",
+                train_tokens=5000, val_tokens=1000, train_bytes=10000, val_bytes=2000,
+                tokenizer_sha256=tokenizer_sha256)
+    Path(f"data/{name}/meta.json").write_text(json.dumps(meta))
+
+
+def test_fine_tuning_starts_from_a_checkpoints_weights_with_a_fresh_optimizer_and_schedule(tiny_data):
+    meta = json.loads(Path("data/tiny/meta.json").read_text())
+    Path("data/tiny/meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "same"}))
+    train.main(TINY + ["--max_iters=6", "--eval_interval=6", "--out_dir=base"])
+    second_dataset("other")
+    tuned = train.main(TINY[1:] + ["--dataset=other", "--init_from=base/ckpt.pt", "--out_dir=tuned",
+                                   "--max_iters=3", "--eval_interval=3"])
+    assert [step for step, _, _ in tuned] == [0, 1, 2]  # its own schedule, from step 0
+    base, base_ckpt = load_checkpoint("base/ckpt.pt")
+    _, tuned_ckpt = load_checkpoint("tuned/ckpt.pt")
+    assert tuned_ckpt["config"]["dataset"] == "other" and tuned_ckpt["model_args"] == base_ckpt["model_args"]
+    assert tuned_ckpt["config"]["run_id"] != base_ckpt["config"]["run_id"]
+    # step 0's evaluation is the base model's loss on the new data: its weights, nothing trained yet
+    untrained = train.main(TINY[1:] + ["--dataset=other", "--init_from=base/ckpt.pt", "--out_dir=again",
+                                       "--max_iters=1", "--eval_interval=1"])
+    first = json.loads(Path("again/metrics.jsonl").read_text().splitlines()[0])
+    C = configure(vars(train), TINY[1:] + ["--dataset=other"])[0]
+    data_dir, other_meta = "data/other", json.loads(Path("data/other/meta.json").read_text())
+    expected = train.estimate_loss(base, data_dir, other_meta, (4, 16), C, "cpu")["val"]
+    assert first["val_loss"] == pytest.approx(expected) and untrained
+
+
+def test_fine_tuning_on_another_tokenizer_or_another_shape_is_refused_in_one_line(tiny_data, capsys):
+    meta = json.loads(Path("data/tiny/meta.json").read_text())
+    Path("data/tiny/meta.json").write_text(json.dumps(meta | {"tokenizer_sha256": "same"}))
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=base"])
+    second_dataset("other", tokenizer_sha256="another")
+    tune = TINY[1:] + ["--dataset=other", "--init_from=base/ckpt.pt", "--out_dir=tuned", "--max_iters=2"]
+    assert "tokenizer_sha256 another (was same)" in refusal(capsys, train.main, tune)
+    assert "--n_embd=64, but base/ckpt.pt has n_embd=32" in refusal(capsys, train.main, tune + ["--n_embd=64"])
+
+
+def test_a_checkpoint_without_an_optimizer_is_fine_tuned_not_resumed(tiny_data, capsys):
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
+    ckpt = torch.load("o/ckpt.pt", weights_only=True)
+    torch.save(ckpt | {"optimizer": None}, "o/ckpt.pt")  # as hf.checkpoint writes one
+    resume = ["--out_dir=o", "--init_from=resume", "--max_iters=3"]
+    assert "has no optimizer state: fine-tune from it" in refusal(capsys, train.main, resume)
+
+
+# ----------------------------------------------------------------------------- what a run trusts and keeps
+def test_one_run_at_a_time_writes_an_out_dir(tiny_data, capsys):
+    """Two train.py into one out_dir would write one ckpt.pt.tmp and mix their logs: the second is refused
+    while the first holds out_dir's lock (the OS's: a killed run holds it no more)."""
+    os.makedirs("o")
+    holder = configurator.hold_lock("o/.lock", "held")
+    try:
+        assert "another train.py is writing o now" in refusal(capsys, train.main, TINY + ["--out_dir=o"])
+        assert not Path("o/metrics.jsonl").exists()
+    finally:
+        holder.close()
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o"])  # the lock went with it
+
+
+def test_two_resumed_copies_of_a_run_are_two_runs(tiny_data):
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=a"])
+    shutil.copytree("a", "b")
+    for out_dir in ("a", "b"):
+        train.main(TINY + ["--max_iters=4", "--eval_interval=2", f"--out_dir={out_dir}", "--init_from=resume"])
+    ids = {load_checkpoint(f"{out_dir}/ckpt.pt")[1]["config"]["run_id"] for out_dir in ("a", "b")}
+    assert len(ids) == 2
+
+
+def test_a_schedule_that_never_moves_the_weights_is_refused(tiny_data, capsys):
+    assert "no step would change the weights" in refusal(
+        capsys, train.main, TINY + ["--out_dir=o", "--learning_rate=0", "--min_lr=0"])
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o", "--learning_rate=0"])  # min_lr moves
+
+
+def test_a_run_that_failed_before_its_first_line_leaves_no_log_in_the_way(tiny_data):
+    os.makedirs("o")
+    Path("o/metrics.jsonl").write_text("")  # a scratch run that failed at its first evaluation
+    train.main(TINY + ["--max_iters=1", "--eval_interval=1", "--out_dir=o"])
+    assert Path("o/metrics.jsonl").read_text()
+
+
+def test_a_checkpoint_the_disk_refuses_is_one_line_and_the_old_one_stays(tiny_data):
+    """Under a file-size limit (ulimit -f) a save fails: one line, exit 2, the last checkpoint intact."""
+    train.main(TINY + ["--max_iters=2", "--eval_interval=2", "--out_dir=o"])
+    before = Path("o/ckpt.pt").read_bytes()
+    limit = len(before) // 2
+
+    def small_files():
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "--out_dir=o", "--init_from=resume", "--max_iters=4",
+           "--eval_interval=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=script_env(), preexec_fn=small_files)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "File too large" in done.stderr, done.stderr
+    assert Path("o/ckpt.pt").read_bytes() == before
+
+
+def test_compiling_without_a_cpp_compiler_is_one_line(tiny_data, capsys, fresh_compiler):
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/nonexistent/g++")}):
+        message = refusal(capsys, train.main, TINY + ["--out_dir=o", "--compile=True", "--max_iters=1"])
+    assert "needs a C++ compiler" in message
+
+
+@pytest.mark.parametrize("key, value", [("ffn_hidden", str(2 ** 63)), ("batch_size", str(2 ** 63)),
+                                        ("block_size", str(2 ** 100)), ("learning_rate", "1e300"),
+                                        ("state_std", "1e39"), ("mean_loops", "5000")])
+def test_numbers_no_machine_takes_are_one_line(tiny_data, capsys, key, value):
+    """Past 2**48 for a whole number, past float32 for a decimal, past MAX_LOOPS for loops: refused."""
+    assert f"--{key} must be a finite number in" in refusal(capsys, train.main, TINY + ["--out_dir=o", f"--{key}={value}"])
+
+
+def test_cs_own_out_of_memory_is_the_out_of_memory_line(capsys):
+    """std::bad_alloc, as torch's C++ raises it on a huge allocation, is out of memory, not a traceback."""
+    def main(argv):
+        raise RuntimeError("std::bad_alloc")
+    assert "out of memory" in refusal(capsys, main, [])
