@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from allocate import log_grid
 from configurator import UserError, configure
+from corpora import check_hub
 from evaluate import loop_counts, markdown, paired_bootstrap, show, trace
 from engine import clock
 from model import (DEVICES, EXIT_TESTS, MIN_EXIT_LOOP, DepthPolicy, autocast, checkpoint_id, exit_depth,
@@ -157,10 +158,27 @@ class LoopedLM(TemplateLM):
         raise NotImplementedError("downstream scores likelihoods only: a generative task is refused")
 
 
+# datasets' builders that read local files (a task of the Shakespeare folder's kind); any other
+# dataset_path names a repository on the hub
+LOCAL_BUILDERS = {"json", "csv", "text", "parquet", "arrow"}
+
+
+def needs_hub(entry):
+    """Does lm-eval's index entry of a task (None: a name it does not know) read the hub? A group
+    or a tag, its tasks not read here, counts as one that does."""
+    if entry is None:
+        return False
+    path = (entry.cfg or {}).get("dataset_path")
+    return path not in LOCAL_BUILDERS and not (path and os.path.isdir(path))
+
+
 def load_tasks(names, include_path):
     """{name: lm-eval's Task} of the comma-separated names, a group's or a tag's tasks each by itself; UserError for
     a name lm-eval does not know, and for a generative task (refused before any work: only likelihoods are read)."""
     manager = TaskManager(include_path=include_path or None)
+    # datasets retries an unreachable hub for half a minute, a dozen lines: ask it once, at once
+    if any(needs_hub(manager.task_index.get(name)) for name in names.split(",")):
+        check_hub()
     try:
         loaded = manager.load(names.split(","))["tasks"]
     except KeyError as err:  # lm-eval's word for a name it does not know

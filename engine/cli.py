@@ -6,8 +6,10 @@
 Takes sample.py's settings (python sample.py --help) and prints exactly what sample.py prints;
 then, on stderr, the tokens/s of the decode steps after two warm-up steps (compiling, then
 recording CUDA graphs), the loops and FLOPs per new token and, compiled, what torch.compile did.
-Its own settings: --compile (True on CUDA: each decode step's part one compiled graph, a CUDA graph
-on a GPU) and --report=FILE (the measurements as JSON, which the studies read).
+Its own settings: --compile (True on CUDA: each decode step one compiled graph, a CUDA graph on a
+GPU), --device_loops (with an exit on a GPU whose CUDA graphs have conditional nodes: a whole new
+token one CUDA graph, no host read a loop) and --report=FILE (the measurements as JSON, which the
+studies read).
 """
 import sys
 from functools import partial
@@ -17,12 +19,14 @@ from torch._dynamo.utils import counters, guard_failures
 
 import sample
 from configurator import configure
-from engine.decoder import generate
+from engine.decoder import conditional_nodes_available, generate
 from engine import clock
 from model import autocast, save_atomic
 
 report = ""  # a JSON file for the measurements (the studies read it); "": none
-compile = torch.cuda.is_available()  # each decode step's part one compiled graph (CUDA: a CUDA graph)
+compile = torch.cuda.is_available()  # each decode step one compiled graph (CUDA: a CUDA graph)
+# with an exit, where CUDA graphs have conditional nodes: a new token's loops decided on the GPU
+device_loops = True
 # decode steps not timed: the first compiles, the second records the CUDA graphs
 WARM_UP_STEPS = 2
 
@@ -33,7 +37,7 @@ def split_argv(argv):
     others = []
     for arg in argv:
         key = arg.removeprefix("--").partition("=")[0]
-        if key in ("report", "compile"):
+        if key in ("report", "compile", "device_loops"):
             own.append(arg)
         else:
             others.append(arg)
@@ -58,16 +62,24 @@ def main(argv=()):
     E, _ = configure(globals(), own)
     C, _ = configure(vars(sample), sample_argv)
     model, _, ids, decode_ids, prompt_loops, depth, pick = sample.setup(C)
+    device_loops = (E.device_loops and depth.test is not None
+                    and conditional_nodes_available(C.device))
     compiler = None
-    if E.compile:
+    # the engine captures a token's CUDA graph itself with device loops: none of torch.compile's
+    if E.compile and device_loops:
+        compiler = partial(torch.compile, fullgraph=True)
+    elif E.compile:
         compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
+    # greedy: an argmax, picked in the decode step's graph (sampling draws from a generator per row)
+    pick_in_step = C.temperature < 1e-6
     prompts = torch.tensor([ids] * C.num_samples, device=C.device)
     # the new tokens stay on the device, read once at the end: no wait a step
     new_tokens = []
     loops_run = []
     started = clock(C.device)
     with autocast(C.device, C.dtype):
-        steps = generate(model, prompts, C.max_new_tokens, pick, prompt_loops, depth, compiler)
+        steps = generate(model, prompts, C.max_new_tokens, pick, prompt_loops, depth, compiler,
+                         pick_in_step, device_loops)
         for next_token, loops in steps:
             new_tokens.append(next_token)
             loops_run.append(loops)
@@ -86,7 +98,8 @@ def main(argv=()):
     flops = model.inference_flops(mean_loops, model.config.block_size, depth.test)
     measured = {"new_ids": new_ids, "loops": loops_run.tolist(), "tokens_per_s": timed / seconds,
                 "timed_tokens": timed, "mean_loops": mean_loops, "deepest_loops": deepest,
-                "flops_per_token": flops, "dtype": C.dtype, "compiled": E.compile}
+                "flops_per_token": flops, "dtype": C.dtype, "compiled": E.compile,
+                "device_loops": device_loops}
     print(f"{timed / seconds:.1f} tokens/s ({timed} timed), {mean_loops:.2f} loops (a step's "
           f"deepest {deepest:.2f}), {flops / 1e6:.3g} MFLOP per token (attention over a full "
           f"block), {C.dtype}", file=sys.stderr)

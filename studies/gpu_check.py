@@ -1,4 +1,4 @@
-"""The measurements ./gpu_check.sh reports on one GPU: a training run's MFU and peak memory, and decoding's
+"""The measurements ./studies/gpu_check.sh reports on one GPU: a training run's MFU and peak memory, and decoding's
 tokens/s at every batch and depth, each decode row in this one process so that a step's graphs compile
 once per shape and policy (sample.py run again per row would compile them all again).
 

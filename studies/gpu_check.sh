@@ -9,7 +9,8 @@
 #    which compile) over PEAK_FLOPS; the peak is torch.cuda.max_memory_allocated.
 # 2) allocate.py on S0 (the exits' operating thresholds); S0's decode tokens/s at batch 1 and 32: uniform
 #    r = 4, 8, 16, and the kl and state exits at those thresholds, all in one process (studies/gpu_check.py):
-#    sample.py's tokens/s line and what torch.compile did (graphs, breaks, recompilations, CUDA-graph skips).
+#    python -m engine's report (tokens/s, loops) and what torch.compile did (graphs, breaks, recompilations,
+#    CUDA-graph skips).
 # 3) The test suite's failures, if any, and its summary line.
 # On a torch older than the pinned 2.13, studies/older_torch/ supplies 2.13's F.linear_cross_entropy (a line says so).
 #
@@ -21,7 +22,7 @@
 #
 # Settings, from the environment:
 #   PEAK_FLOPS=989e12   the card's dense bf16 peak (H100 and H200; A100 312e12, L40S 362e12, RTX 4090 165e12)
-#   SAMPLE_FLAGS=...    more flags for every sample.py run (--compile=False: eager decoding)
+#   SAMPLE_FLAGS=...    more flags for every python -m engine run (sample.py's settings; --compile=False: eager)
 #   GPU_CHECK_TINY=1    narrow models, a few steps, 16 new tokens: a dry run of this script on a CPU
 set -euo pipefail
 cd "$(dirname "$0")/.."  # the repository: its scripts, config/ and data/
@@ -101,7 +102,7 @@ echo "== allocating S0 (the exits' operating thresholds, which decoding's --exit
 python allocate.py --out_dir="$s0" --windows="$allocate_windows" --train_windows=8 > "$work/allocate.log" 2>&1 ||
     tail -n 3 "$work/allocate.log"
 grep -E "reaches the bar, loops|Operating thresholds" "$work/allocate.log" || true
-echo "== decoding S0 ($new_tokens new tokens, greedy; sample.py's lines)"
+echo "== decoding S0 ($new_tokens new tokens, greedy; python -m engine's reports)"
 decode_started=$SECONDS
 # shellcheck disable=SC2086  # $SAMPLE_FLAGS: none or more flags
 python -m studies.gpu_check decoding "$s0" "$new_tokens" ${SAMPLE_FLAGS:-} 2>&1 | grep -v "^W[0-9]"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The laptop study on CPU, in one command (RESULTS.md): prepare Shakespeare (once), train the CPU default,
 # its fixed-depth control, the study model (config/study.py) and its
-# dense twin (config/study_dense.py); evaluate them; allocate on the default and the study model,
+# dense twin (config/study_dense.py); evaluate them; allocate (with A2) on the default and the study model,
 # with the exit depth by token class; time the default at batch 1 by depth; then studies/laptop.py
-# (parity, generation speed, the three-point bracket) and the default's figures.
-#   ./studies/laptop.sh                            (on 2 idle cores: BENCHMARKS.md gives its time)
+# (parity from the two runs' metrics.jsonl; generation speed and the three-point bracket, each timed by
+# python -m engine --report) and the default's figures. allocate.py runs through studies.probe (A2 among
+# the exits), then studies.matched writes the paper's matched-loops table.
+#   ./studies/laptop.sh                            (on 2 idle cores; its last timed run, as ./study.sh on
+#                                                   2026-11-25: 1 h 41 min, RESULTS.md)
 #   ./studies/laptop.sh out-mine config/mine.py    another first run: its out_dir, then train.py's arguments
 # A run whose out_dir already holds a checkpoint is kept. Each step's wall-clock: <run>_times.txt.
 set -euo pipefail
@@ -24,7 +27,9 @@ for run in "$out-fixed" "$out" out-study; do  # the fixed-depth control first: c
 done
 step python evaluate.py --out_dir=out-study_dense --loops=1
 for run in "$out" out-study; do
-    step python allocate.py --out_dir="$run"
+    # allocate.py's run with A2's probe among the exits, then the paper's matched-loops table
+    step python -m studies.probe --out_dir="$run"
+    step python -m studies.matched --out_dir="$run"
     step python -m studies.token_classes --out_dir="$run"
 done
 step python -m studies.timing --out_dir="$out"

@@ -6,7 +6,8 @@
 # mean 16 for as many training FLOPs as mean 8's 400 steps (222 steps: fewer tokens). Evaluates each
 # at loops 1 to max(16, 4 x its mean), measures its saturation depth (studies/saturation.py), then
 # prints one table and draws figures/saturation.png (studies/saturation_table.py).
-#   ./studies/saturation.sh    (on 2 idle cores: BENCHMARKS.md gives its time; the figure needs matplotlib)
+#   ./studies/saturation.sh    (on 2 idle cores; its last run, as ./saturation.sh on 2026-11-25: 79 minutes,
+#                              RESULTS.md; the figure needs matplotlib)
 # A run whose out_dir already holds a checkpoint is kept; every run's eval.json is written again
 # (out-shakespeare's too, with this sweep). Each step's wall-clock: out-saturation_times.txt; the
 # table: out-saturation.md.

@@ -236,7 +236,7 @@ LAMBADA = [{"text": "Permission is hereby granted"}, {"text": "The Python Softwa
            {"text": "the standard library"}]
 
 
-def hub_as_local_files(folder, monkeypatch):
+def hub_as_local_files(folder, monkeypatch, harness):
     """datasets.load_dataset, as lm-eval calls it, reads sciq's and lambada_openai's rows from local JSONL files
     instead of the hub: everything else is the path a user's --tasks=sciq,lambada_openai takes."""
     import datasets
@@ -250,6 +250,8 @@ def hub_as_local_files(folder, monkeypatch):
         data_files = {split: str(local) for split in ("train", "validation", "test")}
         return hub_load_dataset("json", data_files=data_files, cache_dir=str(folder / "cache"))
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    # the hub answers
+    monkeypatch.setattr(harness, "check_hub", lambda: None)
 
 
 def test_lm_evals_own_sciq_and_lambada_openai_on_local_rows_score_as_by_hand(harness, trained, indir, task_folders,
@@ -259,7 +261,7 @@ def test_lm_evals_own_sciq_and_lambada_openai_on_local_rows_score_as_by_hand(har
     log-likelihood, never a mean of per-item values) and each exit's difference in the task's own aggregation."""
     import lm_eval.tasks
     task_folders.extend(str(Path(lm_eval.tasks.__file__).parent / name) for name in ("sciq", "lambada"))
-    hub_as_local_files(indir, monkeypatch)
+    hub_as_local_files(indir, monkeypatch, harness)
     monkeypatch.setenv("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap of a perplexity's stderr, in this process
     task_lms = []
 
@@ -325,6 +327,21 @@ def test_an_unknown_or_generative_task_is_refused_in_one_line_before_any_work(ha
     assert "tiny_gen generate" in refusal(capsys, harness.main, [*args, "--tasks=tiny_mc,tiny_gen"])
     assert "--tasks" in one_line_error(capsys, harness.main, FAST)
     assert not (indir / "out" / "tasks.json").exists()
+
+
+def test_a_hub_task_with_the_hub_not_answering_is_one_line_within_seconds(harness, indir, monkeypatch,
+                                                                           capsys):
+    """--tasks=sciq reads the hub: not answering, one line before any work (datasets alone retries
+    for half a minute, printing a dozen lines); a local task never asks the hub."""
+    import time
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    start = time.monotonic()
+    assert "does not answer" in one_line_error(capsys, harness.main, [*FAST, "--tasks=sciq"])
+    assert time.monotonic() - start < 15
+    write_local_task(indir / "tasks", "tiny_mc", ITEMS)
+    index = harness.TaskManager(include_path=str(indir / "tasks")).task_index
+    assert harness.needs_hub(index["sciq"]) and not harness.needs_hub(index["tiny_mc"])
 
 
 # ---- the laptop tasks' builder ------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 import model as model_lib
 import engine
-from engine import cli, decoder
+from engine import cli, decoder, fused
 from model import EXIT_TESTS, DepthPolicy, uniform_depth
 from test_sample import (GREEDY, MAX_LOOPS, SEP, assert_each_slot_holds_its_last_loop, core_writes_of,
                          generate_all, prompts, run_main, sampler, small_block, tiny, typical_threshold,
@@ -48,7 +48,8 @@ def test_the_engines_cache_holds_each_tokens_last_loop(tiny):
 
 
 def test_python_m_engine_prints_what_sample_py_prints(tiny, capsys):
-    for args in (["--num_samples=2", "--temperature=1.0", "--seed=5"], ["--exit=kl", "--exit_threshold=0.01"]):
+    for args in (["--num_samples=2", "--temperature=1.0", "--seed=5"], ["--exit=kl", "--exit_threshold=0.01"],
+                 ["--num_samples=2", "--temperature=0"]):  # greedy: the pick in the step
         new_ids, text, _ = run_main(capsys, *args)
         engine_ids, engine_text, err = run_main(capsys, *args, main=cli.main)
         assert engine_ids == new_ids and engine_text == text and text.count(SEP) >= 1
@@ -217,6 +218,77 @@ def test_the_compiled_decode_steps_equal_eager_without_graph_breaks_or_recompile
     assert len(set(eager[1].flatten().tolist())) > 2  # the exit really stopped tokens at varied loops
 
 
+def test_a_uniform_step_compiled_with_its_pick_is_one_graph_equal_to_eager(tiny, fresh_compiler):
+    """Uniform depth, the greedy pick in the step: one graph under torch.compile(fullgraph=True) (inductor on
+    the CPU), 40 new tokens past block_size, batch 2, never recompiled, sample.generate's tokens and loops."""
+    model = small_block(tiny[0])
+    idx = prompts(2)
+    reference = generate_all(model, idx, 40, GREEDY, uniform_depth(2), uniform_depth(3))
+    compiler = partial(torch.compile, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = generate_all(model, idx, 40, GREEDY, uniform_depth(2), uniform_depth(3),
+                                partial(decoder.generate, compiler=compiler, pick_in_step=True))
+    assert fresh_compiler["stats"]["unique_graphs"] == 1 and not fresh_compiler["graph_break"]
+    assert torch.equal(compiled[0], reference[0]) and torch.equal(compiled[1], reference[1])
+
+
+@pytest.mark.parametrize("exit", ["none", "kl"])
+def test_a_pick_in_the_step_picks_sample_pys_tokens(tiny, exit):
+    """pick_in_step: the step picks each next token where the next step reads it; the same tokens and loops."""
+    model = small_block(tiny[0])
+    idx = prompts(3)
+    policy = uniform_depth(3)
+    if exit != "none":
+        policy = DepthPolicy(EXIT_TESTS[exit], typical_threshold(model, EXIT_TESTS[exit]), MAX_LOOPS + 2)
+    reference = generate_all(model, idx, 40, GREEDY, uniform_depth(2), policy)
+    engine = generate_all(model, idx, 40, GREEDY, uniform_depth(2), policy,
+                          partial(decoder.generate, pick_in_step=True))
+    assert torch.equal(engine[0], reference[0]) and torch.equal(engine[1], reference[1])
+
+
+def test_the_decode_copy_stores_fused_matrices_in_the_matmul_dtype_and_leaves_the_model(tiny):
+    """Under bf16 autocast: q/k/v and gate/up stacked, every matrix bf16, the embedding and the norms as
+    loaded, the tied head a bf16 copy; the model itself (the checkpoint's) unchanged."""
+    model = tiny[0]
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    net = fused.for_decoding(model, torch.bfloat16)
+    attention, mlp = net.core.blocks[0].attn, net.core.blocks[0].mlp
+    c = model.config
+    head_dim = c.n_embd // c.n_head
+    assert attention.wqkv.shape == ((c.n_head + 2 * c.n_kv_head) * head_dim, c.n_embd)
+    assert mlp.w_gate_up.shape == (2 * c.ffn_hidden, c.n_embd)
+    assert torch.equal(attention.wqkv[:c.n_embd], model.core.blocks[0].attn.wq.weight.bfloat16())
+    matrices = [p for name, p in net.named_parameters() if p.dim() == 2 and name != "wte.weight"]
+    assert matrices and all(p.dtype == torch.bfloat16 for p in matrices)
+    assert net.wte.weight.dtype == net.norm.weight.dtype == torch.float32
+    assert net.lm_head.weight is not net.wte.weight and model.lm_head.weight is model.wte.weight
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+
+
+def test_device_loops_put_each_loop_after_the_first_in_an_if_node_on_the_looping_flag():
+    """capture_token's loops, recorded on a stand-in for a CUDA graph: loop 1, then each later loop alone
+    inside an if node on looping_any; no conditional nodes without CUDA."""
+    events = []
+
+    class Graph:
+        def begin_capture_to_if_node(self, flag):
+            assert flag is steps.looping_any
+            events.append("if")
+
+        def end_capture_to_conditional_node(self):
+            events.append("end")
+
+    class Steps:
+        looping_any = torch.ones((), dtype=torch.bool)
+
+        def loop(self):
+            events.append("loop")
+    steps = Steps()
+    decoder.capture_loops(Graph(), steps, 4)
+    assert events == ["loop"] + ["if", "loop", "end"] * 3
+    assert not decoder.conditional_nodes_available("cpu")
+
+
 def test_main_compiled_says_how_many_graphs_ran_and_that_none_broke_recompiled_or_skipped(tiny, capsys, monkeypatch,
                                                                                            fresh_compiler):
     """--compile's line: what torch.compile did in this run (aot_eager stands in for inductor: the same graphs,
@@ -268,8 +340,9 @@ def test_on_cuda_a_decode_step_at_uniform_depth_never_syncs(tiny):
 @pytest.mark.parametrize("exit", ["none", "kl", "state"])
 def test_on_cuda_the_decode_steps_run_in_cuda_graphs_and_equal_eager(tiny, fresh_compiler, exit):
     """CUDA graphs (mode reduce-overhead), 100 new tokens past block_size, in float64 so that no rounding can
-    flip a token or an exit: the same tokens as eager, three graphs, no recompilation, no CUDA-graph skip, and
-    each graph recorded once (a compiled step's output kept alive would record a new one every token)."""
+    flip a token or an exit: the same tokens as eager, one graph at uniform depth (the whole step) and three
+    with an exit (begin, loop, end), no recompilation, no CUDA-graph skip, and each graph recorded once (a
+    compiled step's output kept alive would record a new one every token)."""
     from studies.gpu_check import cuda_graphs_recorded
     model = small_block(tiny[0]).cuda()
     idx = prompts(2).cuda()
@@ -283,8 +356,32 @@ def test_on_cuda_the_decode_steps_run_in_cuda_graphs_and_equal_eager(tiny, fresh
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = generate_all(model, idx, 100, GREEDY, uniform_depth(2), policy, engine_generate(compiler))
     counters = fresh_compiler  # cleared before the test, as the engine's compiled line reads them
-    assert counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    graphs = 1 if exit == "none" else 3
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     assert not torch._dynamo.utils.guard_failures  # no guard failed: nothing compiled again
     assert counters["inductor"]["cudagraph_skips"] == 0  # every graph runs as a CUDA graph
-    assert cuda_graphs_recorded() == 3  # begin, loop and end, each replayed at every token
+    assert cuda_graphs_recorded() == graphs  # each replayed at every token
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+@needs_cuda
+@pytest.mark.parametrize("exit", ["kl", "state"])
+def test_on_cuda_device_loops_equal_eager_and_read_no_flag_after_the_first_token(tiny, fresh_compiler, exit):
+    """With conditional nodes (CUDA 12.4 on): from the second new token each token is one CUDA graph whose
+    loops run while the GPU finds a row looping. 100 new tokens past block_size in float64, compiled without
+    torch's CUDA graphs: the same tokens and loops as eager; the host reads flags for the first token only."""
+    if not decoder.conditional_nodes_available("cuda"):
+        pytest.skip("no conditional nodes in this torch's CUDA graphs")
+    model = small_block(tiny[0]).cuda()
+    idx = prompts(2).cuda()
+    test = EXIT_TESTS[exit]
+    policy = DepthPolicy(test, typical_threshold(model.cpu(), test), MAX_LOOPS)
+    model.cuda()
+    eager = generate_all(model, idx, 100, GREEDY, uniform_depth(2), policy, engine_generate())
+    looped = partial(decoder.generate, compiler=partial(torch.compile, fullgraph=True), device_loops=True)
+    with CountingSyncs() as syncs:
+        on_device = generate_all(model, idx, 100, GREEDY, uniform_depth(2), policy, looped)
+    assert torch.equal(on_device[0], eager[0]) and torch.equal(on_device[1], eager[1])
+    assert len(set(eager[1].flatten().tolist())) > 2  # the exit stopped tokens at varied loops
+    # the first decoded token's flags alone, each a copy to the host and a read
+    assert syncs.count <= 2 * MAX_LOOPS
