@@ -302,9 +302,14 @@ class GPT(nn.Module):
         with torch.no_grad():
             for _ in range(loops - n_grad):
                 s = self.core_step(e, s)
-        for _ in range(n_grad):
+        return self.readout(self.grad_loops(e, s, n_grad), targets=targets)
+
+    def grad_loops(self, e, s, n):
+        """The n loops backprop reaches: (e, s) (B, T, d) -> s (B, T, d). train.py compiles them as
+        one graph, in which the tied core's n gradients are summed, not one launch a loop."""
+        for _ in range(n):
             s = self.core_step(e, s)
-        return self.readout(s, targets=targets)
+        return s
 
     # ---- the FLOP ledger: one count for train.py's FLOP rate (MFU) and for allocate.py
     def flop_terms(self, T):

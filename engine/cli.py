@@ -8,8 +8,8 @@ then, on stderr, the tokens/s of the decode steps after two warm-up steps (compi
 recording CUDA graphs), the loops and FLOPs per new token and, compiled, what torch.compile did.
 Its own settings: --compile (True on CUDA: each decode step one compiled graph, a CUDA graph on a
 GPU), --device_loops (with an exit on a GPU whose CUDA graphs have conditional nodes: a whole new
-token one CUDA graph, no host read a loop) and --report=FILE (the measurements as JSON, which the
-studies read).
+token one CUDA graph, no host read a loop), --baseline (time sample.py's own generate in the same
+harness instead) and --report=FILE (the measurements as JSON, which the studies read).
 """
 import sys
 from functools import partial
@@ -27,6 +27,9 @@ report = ""  # a JSON file for the measurements (the studies read it); "": none
 compile = torch.cuda.is_available()  # each decode step one compiled graph (CUDA: a CUDA graph)
 # with an exit, where CUDA graphs have conditional nodes: a new token's loops decided on the GPU
 device_loops = True
+# time sample.py's own generate instead (eager, a host read a loop with an exit): the baseline
+# the engine is measured against, in this same harness
+baseline = False
 # decode steps not timed: the first compiles, the second records the CUDA graphs
 WARM_UP_STEPS = 2
 
@@ -37,7 +40,7 @@ def split_argv(argv):
     others = []
     for arg in argv:
         key = arg.removeprefix("--").partition("=")[0]
-        if key in ("report", "compile", "device_loops"):
+        if key in ("report", "compile", "device_loops", "baseline"):
             own.append(arg)
         else:
             others.append(arg)
@@ -62,13 +65,15 @@ def main(argv=()):
     E, _ = configure(globals(), own)
     C, _ = configure(vars(sample), sample_argv)
     model, _, ids, decode_ids, prompt_loops, depth, pick = sample.setup(C)
-    device_loops = (E.device_loops and depth.test is not None
+    # the baseline neither compiles nor decides loops on the device
+    compiled = E.compile and not E.baseline
+    device_loops = (E.device_loops and not E.baseline and depth.test is not None
                     and conditional_nodes_available(C.device))
     compiler = None
     # the engine captures a token's CUDA graph itself with device loops: none of torch.compile's
-    if E.compile and device_loops:
+    if compiled and device_loops:
         compiler = partial(torch.compile, fullgraph=True)
-    elif E.compile:
+    elif compiled:
         compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
     # greedy: an argmax, picked in the decode step's graph (sampling draws from a generator per row)
     pick_in_step = C.temperature < 1e-6
@@ -78,8 +83,11 @@ def main(argv=()):
     loops_run = []
     started = clock(C.device)
     with autocast(C.device, C.dtype):
-        steps = generate(model, prompts, C.max_new_tokens, pick, prompt_loops, depth, compiler,
-                         pick_in_step, device_loops)
+        if E.baseline:
+            steps = sample.generate(model, prompts, C.max_new_tokens, pick, prompt_loops, depth)
+        else:
+            steps = generate(model, prompts, C.max_new_tokens, pick, prompt_loops, depth,
+                             compiler, pick_in_step, device_loops)
         for next_token, loops in steps:
             new_tokens.append(next_token)
             loops_run.append(loops)
@@ -98,12 +106,12 @@ def main(argv=()):
     flops = model.inference_flops(mean_loops, model.config.block_size, depth.test)
     measured = {"new_ids": new_ids, "loops": loops_run.tolist(), "tokens_per_s": timed / seconds,
                 "timed_tokens": timed, "mean_loops": mean_loops, "deepest_loops": deepest,
-                "flops_per_token": flops, "dtype": C.dtype, "compiled": E.compile,
-                "device_loops": device_loops}
+                "flops_per_token": flops, "dtype": C.dtype, "compiled": compiled,
+                "device_loops": device_loops, "baseline": E.baseline}
     print(f"{timed / seconds:.1f} tokens/s ({timed} timed), {mean_loops:.2f} loops (a step's "
           f"deepest {deepest:.2f}), {flops / 1e6:.3g} MFLOP per token (attention over a full "
           f"block), {C.dtype}", file=sys.stderr)
-    if E.compile:
+    if compiled:
         measured |= compile_statistics()
         print(f"compiled: {measured['graphs']} graphs, {measured['graph_breaks']} graph breaks, "
               f"{measured['recompilations']} recompilations, {measured['cudagraph_skips']} "

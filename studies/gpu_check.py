@@ -4,10 +4,12 @@ once per shape and policy (sample.py run again per row would compile them all ag
 
     python -m studies.gpu_check training LABEL PEAK_FLOPS TRAIN_ARGS...   # one run: MFU, peak memory
     python -m studies.gpu_check decoding OUT_DIR NEW_TOKENS [SAMPLE_FLAGS...]   # every decode row
+    python -m studies.gpu_check launches     # the launch counts; conditional nodes or not
 """
 import contextlib
 import io
 import json
+import itertools
 import resource
 import statistics
 import sys
@@ -17,10 +19,14 @@ from torch._inductor import cudagraph_trees
 
 import train
 from engine.cli import main as engine_main
+from engine.decoder import conditional_nodes_available
+from studies import launches
 from configurator import UserError
 
 BATCHES = (1, 32)
 DEPTHS = (["--loops=4"], ["--loops=8"], ["--loops=16"], ["--exit=kl"], ["--exit=state"])  # exits: allocate's
+# each row by the engine, then by sample.py's own generate (eager, a host read a loop with an exit)
+HARNESSES = {"engine": [], "sample.py": ["--baseline=True"]}
 
 
 def training(label, peak_flops, train_args):
@@ -54,35 +60,43 @@ def cuda_graphs_recorded():
 
 
 def decoding(out_dir, new_tokens, sample_flags):
-    """python -m engine's report for each batch and depth, greedy: its tokens/s, loops, what
-    torch.compile did, and the CUDA graphs the row recorded (a row's caches are new buffers: its
-    three graphs are recorded anew)."""
+    """python -m engine's report for each batch and depth, greedy, and sample.py's own generate
+    timed in the same harness (--baseline): tokens/s, loops, what torch.compile did, and the CUDA
+    graphs the row recorded (a row's caches are new buffers: its graphs are recorded anew)."""
     print("(in one process: a row's recompilations are its new batch size or exit test, compiled once)")
-    for batch in BATCHES:
-        for depth in DEPTHS:
-            argv = [f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
-                    f"--max_new_tokens={new_tokens}", *depth, *sample_flags]
-            recorded_before = cuda_graphs_recorded()
-            try:
-                # the samples' text and the engine's own lines are not this table's
-                with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-                    report = engine_main(argv)
-            except (UserError, RuntimeError, OSError) as err:  # one row failed: say so, and go on
-                print(f"batch {batch:2d}  {' '.join(depth):14s} failed: {type(err).__name__}: {err}")
-                continue
-            recorded = cuda_graphs_recorded() - recorded_before
-            line = (f"{report['tokens_per_s']:.1f} tokens/s, {report['mean_loops']:.2f} loops "
-                    f"(deepest {report['deepest_loops']:.2f}), {report['dtype']}")
-            if report["compiled"]:
-                line += (f" | compiled: {report['graphs']} graphs, {report['graph_breaks']} breaks, "
-                         f"{report['recompilations']} recompilations, {report['cudagraph_skips']} "
-                         f"CUDA-graph skips")
-            print(f"batch {batch:2d}  {' '.join(depth):14s} {line} | {recorded} CUDA graphs recorded")
+    for batch, depth, (harness, flags) in itertools.product(BATCHES, DEPTHS, HARNESSES.items()):
+        argv = [f"--out_dir={out_dir}", f"--num_samples={batch}", "--temperature=0",
+                f"--max_new_tokens={new_tokens}", *depth, *sample_flags, *flags]
+        row = f"batch {batch:2d}  {' '.join(depth):14s} {harness:9s}"
+        recorded_before = cuda_graphs_recorded()
+        try:
+            # the samples' text and the engine's own lines are not this table's
+            with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+                report = engine_main(argv)
+        except (UserError, RuntimeError, OSError) as err:  # one row failed: say so, and go on
+            print(f"{row} failed: {type(err).__name__}: {err}")
+            continue
+        recorded = cuda_graphs_recorded() - recorded_before
+        line = (f"{report['tokens_per_s']:.1f} tokens/s, {report['mean_loops']:.2f} loops "
+                f"(deepest {report['deepest_loops']:.2f}), {report['dtype']}")
+        if report["compiled"]:
+            line += (f" | compiled: {report['graphs']} graphs, {report['graph_breaks']} breaks, "
+                     f"{report['recompilations']} recompilations, {report['cudagraph_skips']} "
+                     f"CUDA-graph skips, device loops {report['device_loops']}")
+        print(f"{row} {line} | {recorded} CUDA graphs recorded")
 
+
+def launches_and_conditional_nodes():
+    """The launch counts (python -m studies.launches), and whether this torch's CUDA graphs have
+    the conditional nodes an exit's loops need to stay on the device."""
+    print(f"conditional nodes: {conditional_nodes_available('cuda')} (torch {torch.__version__})")
+    launches.main([])
 
 if __name__ == "__main__":
     part, *args = sys.argv[1:]
     if part == "training":
         training(args[0], float(args[1]), args[2:])
+    elif part == "launches":
+        launches_and_conditional_nodes()
     else:
         decoding(args[0], int(args[1]), args[2:])

@@ -10,8 +10,9 @@
 # 2) allocate.py on S0 (the exits' operating thresholds); S0's decode tokens/s at batch 1 and 32: uniform
 #    r = 4, 8, 16, and the kl and state exits at those thresholds, all in one process (studies/gpu_check.py):
 #    python -m engine's report (tokens/s, loops) and what torch.compile did (graphs, breaks, recompilations,
-#    CUDA-graph skips).
-# 3) The test suite's failures, if any, and its summary line.
+#    CUDA-graph skips), each row then timed again with sample.py's own generate in the same harness.
+# 3) The launch counts (python -m studies.launches) and whether this torch has CUDA-graph conditional nodes.
+# 4) The test suite's failures, if any, and its summary line.
 # On a torch older than the pinned 2.13, studies/older_torch/ supplies 2.13's F.linear_cross_entropy (a line says so).
 #
 # The dataset: any data/NAME prepared with the SmolLM2 tokenizer, for example
@@ -107,6 +108,11 @@ decode_started=$SECONDS
 # shellcheck disable=SC2086  # $SAMPLE_FLAGS: none or more flags
 python -m studies.gpu_check decoding "$s0" "$new_tokens" ${SAMPLE_FLAGS:-} 2>&1 | grep -v "^W[0-9]"
 echo "(decoding: $((SECONDS - decode_started)) s)"
+
+echo "== launch counts (the kernels inductor schedules for a GPU) and conditional nodes"
+launches_started=$SECONDS
+python -m studies.gpu_check launches 2>&1 | grep -v "^W[0-9]" || echo "launch counts failed"
+echo "(launch counts: $((SECONDS - launches_started)) s)"
 
 echo "== the test suite"
 tests_started=$SECONDS

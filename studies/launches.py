@@ -254,6 +254,7 @@ def train_micro_step(T):
     model = GPT(S1).train()
     for part in (model.prelude_blocks, model.core, model.coda_blocks):
         part.compile()
+    model.grad_loops = torch.compile(model.grad_loops)
     x = torch.randint(S1.vocab_size, (S1_BATCH, T))
     y = torch.randint(S1.vocab_size, (S1_BATCH, T))
     noise = torch.Generator().manual_seed(0)

@@ -54,6 +54,9 @@ def test_python_m_engine_prints_what_sample_py_prints(tiny, capsys):
         engine_ids, engine_text, err = run_main(capsys, *args, main=cli.main)
         assert engine_ids == new_ids and engine_text == text and text.count(SEP) >= 1
         assert "tokens/s" in err and "MFLOP per token" in err
+        # the baseline: sample.py's own generate, timed in the engine's harness
+        baseline_ids, baseline_text, err = run_main(capsys, "--baseline=True", *args, main=cli.main)
+        assert baseline_ids == new_ids and baseline_text == text and "tokens/s" in err
 
 
 def test_the_report_is_json_with_the_speed_loops_and_flops(tiny, capsys, tmp_path):

@@ -779,9 +779,23 @@ def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_da
     assert seen[0][0] > 1  # step 0 already ran loops without and with grad (bptt_k 1): the warm-up
     assert len({loops for loops, _, _ in seen}) >= 3  # the depth really changes
     graphs, frames = seen[0][1], seen[0][2]
-    assert 3 <= graphs <= 9  # 3 parts x (train with grad, train without, eval) at most
+    # 3 parts x (train with grad, train without, eval) at most, and the loops backprop reaches
+    assert 4 <= graphs <= 10
     assert all((g, f) == (graphs, frames) for _, g, f in seen)  # no recompilation after the first step
     assert load_checkpoint("c/ckpt.pt")[1]["iter_num"] == 6 and len(hist) == 6
+
+
+def test_compiled_training_loses_what_eager_does_within_bf16s_rounding(tiny_data, fresh_compiler):
+    """The loops backprop reaches, compiled as one graph (their tied gradients summed inside it),
+    train as the eager loops do: the same depths, the losses of 4 steps within bf16's rounding."""
+    argv = TINY + ["--dtype=bfloat16", "--bptt_k=3", "--max_loops=6", "--max_iters=4",
+                   "--eval_interval=4"]
+    eager = train.main(argv + ["--out_dir=eager"])
+    compiled = train.main(argv + ["--out_dir=compiled", "--compile=True"])
+    assert [loops for _, loops, _ in compiled] == [loops for _, loops, _ in eager]
+    assert any(loops >= 3 for _, loops, _ in eager)
+    for (_, _, loss), (_, _, reference) in zip(compiled, eager):
+        assert loss == pytest.approx(reference, rel=2 ** -6)
 
 
 def test_dry_run_of_the_papers_configuration_at_a_tiny_width(tiny_data, capsys, attention_dtypes):
