@@ -21,6 +21,7 @@ import model as model_lib
 import prepare
 import sample
 from conftest import stderr_of_a_refusal
+from test_downstream import write_local_task
 
 transformers = pytest.importorskip("transformers")
 
@@ -435,28 +436,6 @@ ITEMS = [{"context": "The king said to my", "choices": ["lord", "café"], "label
          {"context": "Good night sweet", "choices": ["love", "the"], "label": 0},
          {"context": "Thou art", "choices": ["good", "said"], "label": 1},
          {"context": "My lord", "choices": ["queen", "of"], "label": 1}]
-
-
-def write_local_task(folder, name, items):
-    """A two-choice task as lm-eval reads one from --include_path: a JSONL and a YAML."""
-    folder.mkdir(exist_ok=True)
-    (folder / f"{name}.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
-    (folder / f"{name}.yaml").write_text(f"""task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / name}.jsonl
-  cache_dir: {folder / "cache"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
 
 
 def log_likelihood(model, tokenizer, context, continuation, loops):
