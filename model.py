@@ -127,7 +127,7 @@ def autocast_input(x):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x (..., head_dim) by tables (T, head_dim / 2) in x's dtype: float32 ones would
+    """Rotate x (..., head_dim) by tables (T, ..., head_dim / 2) in x's dtype: float32 ones would
     silently promote bf16 q and k (a bug the paper reports)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
@@ -147,11 +147,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache=None, layer=0):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
-        x = autocast_input(x)
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # q, k and v from one matmul over their stacked matrices: one kernel, not three
+        weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        heads = F.linear(x, weight).view(B, T, -1, self.head_dim)
+        qk, v = heads.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=2)
+        # q and k rotated together as (B, T, heads, head_dim), the layout attention's output keeps
+        qk = apply_rope(qk, cos[:, None], sin[:, None]).transpose(1, 2)
+        q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
+        v = v.transpose(1, 2)
         if cache is not None:
             cache.write(layer, k, v)
         if cache is None or cache.pos is None:
@@ -165,7 +168,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: w_down(silu(w_gate x) * w_up x), (B, T, d) -> (B, T, d)."""
+    """SwiGLU: w_down(silu(w_gate x) * w_up x), (B, T, d) -> (B, T, d); gate and up: one matmul."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -174,8 +177,9 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        x = autocast_input(x)
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        weight = torch.cat([self.w_gate.weight, self.w_up.weight])
+        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -197,8 +201,6 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Blocks, a module so that train.py can torch.compile each part once."""
-
     def __init__(self, cfg, n, sandwich=False):
         super().__init__()
         self.blocks = nn.ModuleList(Block(cfg, sandwich) for _ in range(n))
@@ -278,8 +280,9 @@ class GPT(nn.Module):
         normed = self.norm(self.coda_blocks(s, *self.rope(s.size(1), cache), cache))
         if targets is None:
             return self.lm_head(normed)
-        # the head a few rows at a time, in float32: no (B, T, vocab) logits kept for backward
-        chunks = torch.nn.LinearCrossEntropyOptions()
+        # the head in float32, about LOGITS_CHUNK logits at a time: none kept for backward
+        rows = math.ceil(LOGITS_CHUNK / self.config.vocab_size)
+        chunks = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows)
         return F.linear_cross_entropy(normed.float().flatten(0, 1), self.lm_head.weight,
                                       targets.flatten(), ignore_index=-1, options=chunks)
 

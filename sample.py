@@ -106,10 +106,8 @@ def decode(model, caches, token, pos, depth):
             score = test.score(s_new, s, logits_new, logits)[:, 0]
         ran = looping[:, None, None]
         s = torch.where(ran, s_new, s)
-        if logits_new is not None and logits is None:
-            logits = logits_new
-        elif logits_new is not None:
-            logits = torch.where(ran, logits_new, logits)
+        if logits_new is not None:
+            logits = logits_new if logits is None else torch.where(ran, logits_new, logits)
         looping = looping & keeps_looping(loop, score, depth)
         # the host waits for this answer after every loop (python -m engine does not)
         if test is not None and not looping.any():

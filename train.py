@@ -264,12 +264,12 @@ def main(argv=()):
         model = GPT(GPTConfig(vocab_size=meta["vocab_size"], **shape))
     config = model.config
     model.to(device).train()
-    # each part compiled on its own, so that a new depth never recompiles; the loops backprop
-    # reaches one graph more (one for each count up to bptt_k)
+    # each part compiled on its own: a new depth never recompiles (grad_loops: a graph per count)
     if C.compile:
-        print("compiling prelude, core and coda")
-        for part in (model.prelude_blocks, model.core, model.coda_blocks):
-            part.compile()
+        print("compiling prelude, core and readout")
+        model.core.compile()
+        model.prelude = torch.compile(model.prelude)
+        model.readout = torch.compile(model.readout)
         model.grad_loops = torch.compile(model.grad_loops)
     optimizer = model.configure_optimizers(C.weight_decay, C.learning_rate, (C.beta1, C.beta2),
                                            device)

@@ -2,10 +2,10 @@
 
 Under bf16 autocast, a float32 matrix is cast to bf16 in every matmul, and a CUDA graph replays
 that cast at every step (29 of a loop's 106 launches at S0). Here each matrix is stored in the
-dtype the matmuls compute in; each attention's q, k and v projections and each MLP's gate and up
-projections are one matmul over their stacked weights (one launch, not three or two). The
-embedding, the norms and the state stay as they are, so that every value the decode computes is
-sample.py's (tests/test_engine.py holds the tokens equal).
+dtype the matmuls compute in, and each attention's q, k and v matrices and each MLP's gate and up
+ones are stacked once (model.py stacks them at every call, for one matmul). The embedding, the
+norms and the state stay as they are, so that every value the decode computes is sample.py's
+(tests/test_engine.py holds the tokens equal).
 """
 import copy
 from typing import NamedTuple

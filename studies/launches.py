@@ -3,12 +3,16 @@ scheduled by inductor for a GPU (its triton backend: code generated and read, ne
 op run eagerly outside the graphs counts as one launch (autograd's gradient sums, a pick, a copy).
 
     python -m studies.launches                      # S0's decode graphs, S1's training micro-step
-    python -m studies.launches --report=launches.json --train_tokens=2048
+    python -m studies.launches --report=launches.json --gpu_cat=False
 
 One line `NAME: N launches` a graph or step: S0's decode steps (batch 1, bf16, greedy, random
 weights: launches do not depend on them), a whole new token, and a forward and backward of S1's
-training micro-step as train.py runs it. count_launches(fn, *args) is the counter the tests and
-the other studies import. Needs triton (studies/requirements.txt) for inductor's GPU code.
+training micro-step as train.py runs it. A custom op written in Python (torch's chunked loss)
+counts the ops its body runs, and a cat is lowered as inductor lowers it for a GPU tensor (for a
+CPU one it copies each input in a kernel of its own; --gpu_cat=False counts that). Where the
+count may still differ from a GPU's: attention is the CPU's flash kernel, with its layouts.
+count_launches(fn, *args) is the counter the tests and the other studies import. Needs triton
+(studies/requirements.txt) for inductor's GPU code.
 """
 import copy
 import re
@@ -33,10 +37,9 @@ from engine.decoder import Decoder, generate
 from model import EXIT_TESTS, GPT, DepthPolicy, GPTConfig, autocast, save_atomic, uniform_depth
 
 report = ""  # a JSON file for the counts; "": none
-# S1's 2048 runs for many minutes and takes over 13 GB on a 2-core CPU machine. The graphs are the
-# same at any T, and so were their kernels at 64 and 256; at 2048 inductor may split a long
-# reduction (a weight's gradient over B x T rows) in two: a bigger machine counts 2048.
-train_tokens = 256  # the micro-step's sequence length (S1's: 2048)
+gpu_cat = True  # inductor's cat lowered as for a GPU tensor; False: as for a CPU one (a copy each)
+# The graphs' kernels were the same at T = 64 and 2048; the loss's chunks grow with B x T
+train_tokens = 2048  # the micro-step's sequence length (S1's)
 RULES = {"train_tokens": (1, 2048)}
 
 aten = torch.ops.aten
@@ -70,10 +73,10 @@ class _Unbuilt:
         pass
 
 
-def gpu_kernels(gm, example_inputs, compile_fx_kwargs):
+def gpu_kernels(gm, example_inputs, compile_fx_kwargs, gpu_cat=True):
     """-> [(fused, extern) kernels of its forward, of its backward ((0, 0) without)] of dynamo's
     graph gm as inductor would schedule it for a GPU: its triton backend on the CPU, the code
-    generated and read, never run."""
+    generated and read, never run; gpu_cat False: each cat lowered as for the CPU."""
     codes = []
     backward = []
 
@@ -92,6 +95,8 @@ def gpu_kernels(gm, example_inputs, compile_fx_kwargs):
             force_non_lazy_backward_lowering=True, enable_autograd_cache=False))
         stack.enter_context(mock.patch.object(GraphLowering, "save_output_code", codes.append))
         stack.enter_context(mock.patch.object(AsyncCompile, "triton", uncompiled))
+        if gpu_cat:
+            lowered_as_on_a_gpu(stack)
         # triton's own hash asks a GPU driver for its target
         stack.enter_context(mock.patch("torch.utils._triton.triton_hash_with_backend",
                                        lambda: "counted"))
@@ -106,6 +111,19 @@ def gpu_kernels(gm, example_inputs, compile_fx_kwargs):
 
 
 REAL_COMPILE_FX = torch._inductor.compile_fx.compile_fx
+
+
+def lowered_as_on_a_gpu(stack):
+    """Within stack: inductor lowers a cat as for a GPU tensor. For a CPU tensor it copies each
+    input in a kernel of its own; for a GPU one it reads the inputs in the kernels that use the
+    cat, or writes them where they are made, where it can (its test of the device made false)."""
+    lowering = torch._inductor.lowering.cat.__wrapped__
+    code = lowering.__code__
+    if "cpu" not in code.co_consts:
+        raise RuntimeError("this torch's cat lowering has no CPU test to turn off")
+    stack.callback(setattr, lowering, "__code__", code)
+    lowering.__code__ = code.replace(co_consts=tuple("not-a-device" if const == "cpu" else const
+                                                     for const in code.co_consts))
 
 
 class Launches(NamedTuple):
@@ -135,15 +153,17 @@ class LaunchCounter(TorchDispatchMode):
     """While entered, every torch.compile (inductor) graph compiled is counted as inductor would
     schedule it for a GPU and runs eagerly (aot_autograd's graphs, so that its backward is one
     graph too); an op dispatched outside the graphs counts as one launch unless it is a view or
-    an allocation. Entering resets dynamo: graphs compiled before would run uncounted."""
+    an allocation, and a custom op as the ops its body runs. gpu_cat False: each cat lowered as
+    for a CPU tensor. Entering resets dynamo: graphs compiled before would run uncounted."""
 
     @classmethod
     def ignore_compile_internals(cls):
         # dynamo compiles and runs its graphs under this mode
         return True
 
-    def __init__(self):
+    def __init__(self, gpu_cat=True):
         super().__init__()
+        self.gpu_cat = gpu_cat
         self.inside_graphs = 0
         self.reset()
 
@@ -153,6 +173,15 @@ class LaunchCounter(TorchDispatchMode):
         self.eager_ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # a custom op written in Python (torch's chunked loss) launches what its body runs:
+        # counted there, with this mode entered again (it is off while it handles an op)
+        custom = torch._library.custom_ops._maybe_get_opdef(func)
+        if custom is not None and not self.inside_graphs:
+            TorchDispatchMode.__enter__(self)
+            try:
+                return custom._init_fn(*args, **(kwargs or {}))
+            finally:
+                TorchDispatchMode.__exit__(self, None, None, None)
         if not self.inside_graphs and not func.is_view and func not in NO_KERNEL:
             self.launches += Launches(eager=1)
             self.eager_ops.append(func.__name__)
@@ -175,7 +204,7 @@ class LaunchCounter(TorchDispatchMode):
         # compile_fx calls itself again under its config patches (mode="reduce-overhead")
         if "inner_compile" in kwargs:
             return REAL_COMPILE_FX(gm, example_inputs, **kwargs)
-        forward, backward = gpu_kernels(gm, example_inputs, kwargs)
+        forward, backward = gpu_kernels(gm, example_inputs, kwargs, self.gpu_cat)
         # mutated inputs written in the graph, as inductor does, not copied back after it
         runtime = aot_autograd(fw_compiler=lambda graph, _: self.running(forward, graph),
                                bw_compiler=lambda graph, _: self.running(backward, graph),
@@ -195,11 +224,11 @@ class LaunchCounter(TorchDispatchMode):
         torch._dynamo.reset()
 
 
-def count_launches(fn, *args, warm_up=1):
+def count_launches(fn, *args, warm_up=1, gpu_cat=True):
     """-> Launches of one call of fn(*args) after warm_up calls (the first compiles its graphs):
     each torch.compile graph's kernels as inductor would schedule them for a GPU, and one launch
     for each op run outside the graphs that is not a view or an allocation."""
-    with LaunchCounter() as counter:
+    with LaunchCounter(gpu_cat) as counter:
         for _ in range(warm_up):
             fn(*args)
         counter.reset()
@@ -224,36 +253,37 @@ def greedy():
     return partial(sample.sample_next, temperature=0.0, top_k=0, generators=[])
 
 
-def decode_parts(model, depth):
+def decode_parts(model, depth, gpu_cat=True):
     """-> {part: Launches of one call} of a Decoder's compiled steps at S0's shape, batch 1:
     uniform depth's whole step, or an exit's begin, loop and end."""
     compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
     decoder = Decoder(model, 1, depth, "cpu", compiler, greedy())
     decoder.pos.fill_(PROMPT)
     parts = ["step"] if depth.test is None else ["begin", "loop", "end"]
-    return {part: count_launches(getattr(decoder, part)) for part in parts}
+    return {part: count_launches(getattr(decoder, part), gpu_cat=gpu_cat) for part in parts}
 
 
-def decode_token(model, depth):
+def decode_token(model, depth, gpu_cat=True):
     """-> Launches of one new token as python -m engine decodes it (greedy, compiled): its
     steps, and what runs outside them (copies of the token and of an exit's flags)."""
     compiler = partial(torch.compile, mode="reduce-overhead", fullgraph=True)
     prompts = torch.randint(S0.vocab_size, (1, PROMPT))
     steps = generate(model, prompts, 8, greedy(), LOOPS, depth, compiler, pick_in_step=True)
     # the prefill's token, then two decoded ones (the first compiles) before the one counted
-    launches = count_launches(lambda: next(steps), warm_up=3)
+    launches = count_launches(lambda: next(steps), warm_up=3, gpu_cat=gpu_cat)
     steps.close()
     return launches
 
 
-def train_micro_step(T):
+def train_micro_step(T, gpu_cat=True):
     """-> Launches of a forward and backward of S1's micro-step at depth mean_loops (all loops
     with gradients: bptt_k = 8) as train.train_step runs it, each part compiled as train.py
     compiles it, its gradients added to those of the micro-step before (S1 accumulates 32)."""
     torch.manual_seed(0)
     model = GPT(S1).train()
-    for part in (model.prelude_blocks, model.core, model.coda_blocks):
-        part.compile()
+    model.core.compile()
+    model.prelude = torch.compile(model.prelude)
+    model.readout = torch.compile(model.readout)
     model.grad_loops = torch.compile(model.grad_loops)
     x = torch.randint(S1.vocab_size, (S1_BATCH, T))
     y = torch.randint(S1.vocab_size, (S1_BATCH, T))
@@ -263,7 +293,7 @@ def train_micro_step(T):
         with autocast("cpu", "bfloat16"):
             loss = model(x, y, loops=S1.mean_loops, generator=noise) / S1_MICRO_STEPS
         loss.backward()
-    return count_launches(micro_step)
+    return count_launches(micro_step, gpu_cat=gpu_cat)
 
 
 def main(argv=()):
@@ -275,26 +305,23 @@ def main(argv=()):
     notes = {}
     with torch.no_grad(), autocast("cpu", "bfloat16"):
         for r in (LOOPS, LOOPS - 1):
-            counts[f"decode step r={r}"] = decode_parts(s0, uniform_depth(r))["step"]
+            counts[f"decode step r={r}"] = decode_parts(s0, uniform_depth(r), C.gpu_cat)["step"]
         # a loop in the uniform step's graph: what one more loop adds to it
         step, shorter = counts[f"decode step r={LOOPS}"], counts[f"decode step r={LOOPS - 1}"]
         counts["decode loop"] = step - shorter
         notes["decode loop"] = f"one more loop of the step: r={LOOPS}'s minus r={LOOPS - 1}'s"
         for name, depth in EXITS.items():
-            for part, launches in decode_parts(s0, depth).items():
+            for part, launches in decode_parts(s0, depth, C.gpu_cat).items():
                 counts[f"decode {part} exit={name}"] = launches
-        counts["decode token r=4"] = decode_token(s0, uniform_depth(LOOPS))
+        counts["decode token r=4"] = decode_token(s0, uniform_depth(LOOPS), C.gpu_cat)
         notes["decode token r=4"] = "the step, and the copy of the token it picked"
         for name, depth in EXITS.items():
-            counts[f"decode token exit={name} r=4"] = decode_token(s0, depth)
+            counts[f"decode token exit={name} r=4"] = decode_token(s0, depth, C.gpu_cat)
             notes[f"decode token exit={name} r=4"] = ("begin, 4 loops, end, the flags copied "
                                                       "from loop 2, the copies of token and loops")
     micro_step = f"train micro-step S1 4x{C.train_tokens} r=8"
-    counts[micro_step] = train_micro_step(C.train_tokens)
-    notes[micro_step] = "the gradients added into the micro-step before's"
-    if C.train_tokens != S1.block_size:
-        notes[micro_step] += (f"; S1's graphs at T={C.train_tokens}, not 2048 (too slow and too "
-                              f"big on a small CPU): their kernels were the same at 64 and 256")
+    counts[micro_step] = train_micro_step(C.train_tokens, C.gpu_cat)
+    notes[micro_step] = "the gradients added into the micro-step before's, the loss's chunks"
     print("S0 decode: batch 1, bf16, greedy, 16 tokens cached; each graph's kernels as inductor "
           "schedules them for a GPU, and the ops run outside the graphs")
     for name, launches in counts.items():

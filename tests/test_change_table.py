@@ -124,8 +124,8 @@ def test_the_initial_state(fork):
 def test_a_block_attention_the_mlp(fork):
     """MLP.forward (as Block and Attention): every stack of blocks runs it, in training and in sampling."""
     before, _ = run(fork, "sample.py", "--out_dir=out", *DRAWN)
-    edit(fork, "model.py", '''        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))''',
-         '''        return 3 * self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))''')
+    edit(fork, "model.py", '''        return self.w_down(F.silu(gate) * up)''',
+         '''        return 3 * self.w_down(F.silu(gate) * up)''')
     after, _ = run(fork, "sample.py", "--out_dir=out", *DRAWN)
     assert after != before
     run(fork, "train.py", *TINY, "--max_iters=1", "--eval_interval=1", "--out_dir=out2")

@@ -52,6 +52,28 @@ def test_a_backward_counts_its_graph_and_autograds_gradient_sum():
     assert count_launches(step, [x1, x2]) == Launches(fused=4, extern=4, eager=2 * 3 + 1 + 1)
 
 
+def test_a_cat_is_lowered_as_for_a_gpu_and_can_be_as_for_a_cpu():
+    """relu(cat of two matmuls): a GPU's lowering reads both in the relu's one kernel; a CPU
+    tensor's copies an input in a kernel of its own."""
+    x, w1, w2 = torch.randn(4, 8), torch.randn(8, 16), torch.randn(8, 16)
+    layer = torch.compile(lambda x: torch.cat([x @ w1, x @ w2]).relu(), fullgraph=True)
+    assert count_launches(layer, x) == Launches(fused=1, extern=2)
+    assert count_launches(layer, x, gpu_cat=False) == Launches(fused=2, extern=2)
+
+
+def test_a_custom_op_counts_what_its_body_runs():
+    """torch's chunked loss (a custom op written in Python): the same kernels in every chunk, so
+    that each chunk more adds as many launches, not none."""
+    h, head = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8)
+    y = torch.randint(50, (6,))
+
+    def loss(rows):
+        chunks = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows)
+        torch.nn.functional.linear_cross_entropy(h, head, y, options=chunks).backward()
+    one, two, three = (count_launches(loss, 6 // n).eager for n in (1, 2, 3))
+    assert three - two == two - one > 5
+
+
 def tiny_decoder(depth, dtype):
     torch.manual_seed(0)
     model = model_lib.GPT(TINY).eval()

@@ -298,7 +298,7 @@ def test_bf16_autocast_keeps_the_recurrent_state_float32():
     idx = torch.randint(0, 14, (4, 16), generator=torch.Generator().manual_seed(1))
     states, kls = [], []
     seen = []
-    model.core.blocks[0].attn.wq.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    model.core.blocks[0].attn.wo.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     with torch.no_grad(), autocast("cpu", "bfloat16"):
         e = model.prelude(idx)
         assert e.dtype == torch.float32
@@ -551,3 +551,21 @@ def test_loss_and_kl_per_token_by_chunks_equal_the_whole(monkeypatch):
     assert torch.equal(model_lib.token_kl(logits, prev), whole_kl)
     half = logits.bfloat16()  # bf16 logits: the softmax still in float32
     assert model_lib.token_loss(half, y).dtype == torch.float32
+
+
+def test_the_training_loss_runs_in_a_few_equal_chunks(monkeypatch):
+    """readout's loss: the head's logits in ceil(tokens x vocab / LOGITS_CHUNK) chunks of equal rows (torch's
+    default makes one per n_embd rows: hundreds at S1, each a dozen kernels), equal to the whole's mean."""
+    model = tiny()
+    s = torch.randn(2, 7, TINY["n_embd"])
+    y = torch.randint(TINY["vocab_size"], (2, 7))
+    y[0, 0] = -1  # not scored
+    whole = F.cross_entropy(model.readout(s).flatten(0, 1), y.flatten(), ignore_index=-1)
+    rows = []
+    options = torch.nn.LinearCrossEntropyOptions
+    monkeypatch.setattr(torch.nn, "LinearCrossEntropyOptions",
+                        lambda **kw: rows.append(kw["batch_chunk_size"]) or options(**kw))
+    monkeypatch.setattr(model_lib, "LOGITS_CHUNK", 5 * TINY["vocab_size"])  # 14 tokens: 3 chunks of 5, 5, 4
+    loss = model.readout(s, targets=y)
+    assert rows == [5]
+    assert torch.allclose(loss, whole, atol=1e-6)

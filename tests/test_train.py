@@ -775,7 +775,7 @@ def test_compiled_bf16_run_compiles_a_few_graphs_once_whatever_the_depth(tiny_da
     monkeypatch.setattr(train, "train_step", counting_step)
     hist = train.main(TINY + ["--compile=True", "--dtype=bfloat16",
                               "--max_iters=6", "--eval_interval=3", "--out_dir=c"])
-    assert "compiling prelude, core and coda" in capsys.readouterr().out
+    assert "compiling prelude, core and readout" in capsys.readouterr().out
     assert seen[0][0] > 1  # step 0 already ran loops without and with grad (bptt_k 1): the warm-up
     assert len({loops for loops, _, _ in seen}) >= 3  # the depth really changes
     graphs, frames = seen[0][1], seen[0][2]
@@ -839,7 +839,7 @@ def test_on_cuda_a_compiled_bf16_run_trains_and_saves(tiny_data, capsys, fresh_c
     on_the_gpu = [flag for flag in TINY if not flag.startswith("--compile")]
     torch.cuda.reset_peak_memory_stats()
     hist = train.main(on_the_gpu + ["--max_iters=2", "--eval_interval=2", "--out_dir=c"])
-    assert "compiling prelude, core and coda" in capsys.readouterr().out
+    assert "compiling prelude, core and readout" in capsys.readouterr().out
     assert len(hist) == 2 and all(math.isfinite(loss) for _, _, loss in hist)
     assert torch.cuda.max_memory_allocated() > 0  # it ran on the GPU
     model, ckpt = load_checkpoint("c/ckpt.pt")
