@@ -31,8 +31,8 @@ MUTANTS = {
         "evaluate.py", 'out["argmax"].append(logits.argmax(-1))',
         'out["argmax"].append((logits if previous is None else previous).argmax(-1))', "tests/test_evaluate.py"),
     "generation: the KL exit's carried logits never updated (tests against loop 1's)": (
-        "sample.py", "self.carried.copy_(torch.where(active[:, None, None], logits_new, self.carried))", "pass",
-        "tests/test_sample.py -k adaptive"),
+        "sample.py", "logits = logits_new if logits is None else torch.where(ran, logits_new, logits)",
+        "logits = logits_new if logits is None else logits", "tests/test_sample.py -k adaptive"),
     "generation: the new token's rotary position off by one": (
         "model.py", "positions = slice(T) if cache is None or cache.pos is None else cache.pos\n",
         "positions = slice(T) if cache is None or cache.pos is None else cache.pos - 1\n",
@@ -50,11 +50,11 @@ MUTANTS = {
         "resampled = {name: array[..., rng.integers(0, n_windows, n_windows)] for name, array in per_window.items()}",
         "-k bootstrap tests/test_allocate.py tests/test_evaluate.py"),
     "A2: labels that overlook a change at the very next loop": (
-        "allocate.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)", "later = [(argmax[i + 2:] != argmax[i]).any(0)",
-        "tests/test_allocate.py -k label"),
+        "studies/probe.py", "later = [(argmax[i + 1:] != argmax[i]).any(0)",
+        "later = [(argmax[i + 2:] != argmax[i]).any(0)", "tests/test_studies.py -k label"),
     "exits: a token may stop after loop 1": (
-        "model.py", "go_on = go_on & ((loops < MIN_EXIT_LOOP) | ~(score < depth.threshold))",
-        "go_on = go_on & ((loops < MIN_EXIT_LOOP - 1) | ~(score < depth.threshold))", "tests/test_allocate.py"),
+        "model.py", "return go_on & ((loop < MIN_EXIT_LOOP) | ~settled)",
+        "return go_on & ((loop < MIN_EXIT_LOOP - 1) | ~settled)", "tests/test_allocate.py"),
     "FLOPs: the KL exit's cost counted without its exp and sum": (
         "model.py", "lambda config: 12 * config.vocab_size", "lambda config: 10 * config.vocab_size",
         "tests/test_allocate.py -k exit_test_costs"),
@@ -64,9 +64,16 @@ MUTANTS = {
     "token classes: each exit counted for the token it predicts": (
         "studies/token_classes.py", "windows[:, :-1], decode)", "windows[:, 1:], decode)",
         "tests/test_studies.py -k token_classes_of"),
+    "training loss: one row a chunk (torch's default made hundreds of chunks at S1)": (
+        "model.py", "rows = math.ceil(LOGITS_CHUNK / self.config.vocab_size)", "rows = 1",
+        "tests/test_model.py -k chunks"),
+    "attention: k and v swapped in the stacked matmul": (
+        "model.py", "weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])",
+        "weight = torch.cat([self.wq.weight, self.wv.weight, self.wk.weight])",
+        "tests/test_model.py -k stacked"),
     "loop sampler: no clamp at max_loops": (
-        "train.py", "log_r = min(math.log(mean_loops) + spread * z, math.log(max_loops))",
-        "log_r = math.log(mean_loops) + spread * z", "tests/test_train.py -k sampler"),
+        "model.py", "log_loops = min(log_loops, math.log(config.max_loops))", "pass",
+        "tests/test_train.py -k sampler"),
 }
 
 

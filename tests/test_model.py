@@ -569,3 +569,20 @@ def test_the_training_loss_runs_in_a_few_equal_chunks(monkeypatch):
     loss = model.readout(s, targets=y)
     assert rows == [5]
     assert torch.allclose(loss, whole, atol=1e-6)
+
+
+def test_the_stacked_projections_are_wq_wk_wv_and_w_gate_w_up_each_on_its_own():
+    """Attention and MLP stack their matrices for one matmul: the same function as each matrix applied on its
+    own (q, k, v in that order; gate, up), so that a checkpoint means what it meant."""
+    model = tiny().double()
+    block = model.core.blocks[0]
+    attn, mlp = block.attn, block.mlp
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    cos, sin = model.rope(5)
+    with torch.no_grad():
+        q = model_lib.apply_rope(attn.wq(x).view(2, 5, 4, 8).transpose(1, 2), cos, sin)
+        k = model_lib.apply_rope(attn.wk(x).view(2, 5, 2, 8).transpose(1, 2), cos, sin)
+        v = attn.wv(x).view(2, 5, 2, 8).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(attn(x, cos, sin), attn.wo(y.transpose(1, 2).reshape(2, 5, -1)))
+        torch.testing.assert_close(mlp(x), mlp.w_down(F.silu(mlp.w_gate(x)) * mlp.w_up(x)))
