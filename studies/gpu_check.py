@@ -87,10 +87,11 @@ def decoding(out_dir, new_tokens, sample_flags):
 
 
 def launches_and_conditional_nodes():
-    """The launch counts (python -m studies.launches), and whether this torch's CUDA graphs have
-    the conditional nodes an exit's loops need to stay on the device."""
+    """The decode's launch counts (python -m studies.launches; S1's micro-step, minutes on the CPU
+    and the same on any machine, is left to it), and whether this torch's CUDA graphs have the
+    conditional nodes an exit's loops need to stay on the device."""
     print(f"conditional nodes: {conditional_nodes_available('cuda')} (torch {torch.__version__})")
-    launches.main([])
+    launches.main(["--micro_step=False"])
 
 if __name__ == "__main__":
     part, *args = sys.argv[1:]

@@ -553,9 +553,9 @@ def test_loss_and_kl_per_token_by_chunks_equal_the_whole(monkeypatch):
     assert model_lib.token_loss(half, y).dtype == torch.float32
 
 
-def test_the_training_loss_runs_in_a_few_equal_chunks(monkeypatch):
-    """readout's loss: the head's logits in ceil(tokens x vocab / LOGITS_CHUNK) chunks of equal rows (torch's
-    default makes one per n_embd rows: hundreds at S1, each a dozen kernels), equal to the whole's mean."""
+def test_the_training_loss_runs_in_a_few_chunks(monkeypatch):
+    """readout's loss: the head's logits about LOGITS_CHUNK at a time, 3 chunks at S1 (torch's default makes
+    chunks of as many logits as the input has values: 128 at S1, of 19 kernels each), equal to the whole's mean."""
     model = tiny()
     s = torch.randn(2, 7, TINY["n_embd"])
     y = torch.randint(TINY["vocab_size"], (2, 7))
