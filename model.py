@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from configurator import UserError
 
 CKPT_FORMAT = "nanoloop-1"  # marks the checkpoints train.py writes
-LOGITS_CHUNK = 2 ** 27  # logits per chunk of the per-token KL and loss: 512 MB in float32
+LOGITS_CHUNK = 2 ** 27  # logits per chunk of the per-token KL and loss: 512 MiB in float32
 MIN_EXIT_LOOP = 2  # an exit test compares two loops, so no token stops before loop 2
 MAX_LOOPS = 1024  # the most loops a setting may ask of a token: more is hours a token, a typo
 
@@ -127,8 +127,8 @@ def autocast_input(x):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x (..., head_dim) by tables (T, ..., head_dim / 2) in x's dtype: float32 ones would
-    silently promote bf16 q and k (a bug the paper reports)."""
+    """Rotate x (..., T, [heads,] head_dim) by tables (T, [1,] head_dim / 2) in x's dtype: float32
+    ones would silently promote bf16 q and k (a bug the paper reports)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -148,10 +148,10 @@ class Attention(nn.Module):
         """x (B, T, d) -> (B, T, d); with a CacheView, this layer's K/V are stored in the cache."""
         B, T, _ = x.shape
         # q, k and v from one matmul over their stacked matrices: one kernel, not three
-        weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        heads = F.linear(x, weight).view(B, T, -1, self.head_dim)
-        qk, v = heads.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=2)
-        # q and k rotated together as (B, T, heads, head_dim), the layout attention's output keeps
+        qkv_weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        qkv = F.linear(x, qkv_weight).view(B, T, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=2)
+        # q and k rotated in one kernel as the matmul laid them out, (B, T, heads, head_dim)
         qk = apply_rope(qk, cos[:, None], sin[:, None]).transpose(1, 2)
         q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
         v = v.transpose(1, 2)
@@ -177,8 +177,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        weight = torch.cat([self.w_gate.weight, self.w_up.weight])
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
+        gate_up_weight = torch.cat([self.w_gate.weight, self.w_up.weight])
+        gate, up = F.linear(x, gate_up_weight).chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 

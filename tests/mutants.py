@@ -68,8 +68,8 @@ MUTANTS = {
         "model.py", "rows = math.ceil(LOGITS_CHUNK / self.config.vocab_size)", "rows = 1",
         "tests/test_model.py -k chunks"),
     "attention: k and v swapped in the stacked matmul": (
-        "model.py", "weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])",
-        "weight = torch.cat([self.wq.weight, self.wv.weight, self.wk.weight])",
+        "model.py", "qkv_weight = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])",
+        "qkv_weight = torch.cat([self.wq.weight, self.wv.weight, self.wk.weight])",
         "tests/test_model.py -k stacked"),
     "loop sampler: no clamp at max_loops": (
         "model.py", "log_loops = min(log_loops, math.log(config.max_loops))", "pass",

@@ -554,8 +554,8 @@ def test_loss_and_kl_per_token_by_chunks_equal_the_whole(monkeypatch):
 
 
 def test_the_training_loss_runs_in_a_few_chunks(monkeypatch):
-    """readout's loss: the head's logits about LOGITS_CHUNK at a time, 3 chunks at S1 (torch's default makes
-    chunks of as many logits as the input has values: 128 at S1, of 19 kernels each), equal to the whole's mean."""
+    """readout's loss: the head's logits about LOGITS_CHUNK at a time, 3 chunks at S1 (torch's default for a
+    float32 input, "aspect_ratio:2", makes 128 of 64 rows, of 19 kernels each), equal to the whole's mean."""
     model = tiny()
     s = torch.randn(2, 7, TINY["n_embd"])
     y = torch.randint(TINY["vocab_size"], (2, 7))
